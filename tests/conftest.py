@@ -1,0 +1,29 @@
+"""Test-wide settings.
+
+Triton kernels run on CPU tensors through the interpreter. The variable must be
+set before any ``@triton.jit`` function is created, so it is set here, at the
+top of the first module pytest imports; export ``TRITON_INTERPRET=0`` to run
+the same tests natively on a GPU.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Interpreter-backed examples take tens of milliseconds or more; a per-example
+# deadline would only measure the machine. Examples are derandomized in CI so a
+# failure reproduces from the log alone.
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "ci",
+    parent=settings.get_profile("default"),
+    derandomize=True,
+    print_blob=True,
+)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
