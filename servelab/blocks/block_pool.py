@@ -101,13 +101,28 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
 
+    def _own(self, blocks: Iterable[KVCacheBlock], name: str) -> list[KVCacheBlock]:
+        """``blocks`` as a list, checked to be this pool's blocks before any
+        state changes (so a bad argument never leaves the pool half-updated)."""
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        mine = self.blocks
+        try:
+            for b in blocks:
+                if mine[b.block_id] is not b:
+                    raise ValueError(f"{name} contains {b!r}, which belongs to another pool")
+        except (AttributeError, IndexError, TypeError):
+            kinds = sorted({type(b).__name__ for b in blocks})
+            raise TypeError(f"{name} must contain this pool's KVCacheBlock objects, got {kinds}") from None
+        return blocks
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given order; blocks that
         reach zero go back to the free queue (unhashed to the head, hashed to
         the tail). Callers free a request's blocks tail-first, so that among
         blocks freed together the end of a hash chain is evicted before its
         more shareable prefix."""
-        for block in blocks:
+        for block in self._own(blocks, "blocks"):
             if block.is_null:
                 continue
             if block.ref_cnt <= 0:
@@ -123,7 +138,7 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit), pulling free
         ones out of the queue so they cannot be evicted while in use."""
-        for block in blocks:
+        for block in self._own(blocks, "blocks"):
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
@@ -134,7 +149,10 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding content with this hash, or None."""
-        return self.cached_block_hash_to_block.get(block_hash)
+        try:
+            return self.cached_block_hash_to_block.get(block_hash)
+        except TypeError:  # unhashable: a list of tokens instead of a block hash
+            raise TypeError(f"block_hash must be bytes, got {type(block_hash).__name__}") from None
 
     def cache_full_blocks(
         self,
@@ -150,6 +168,7 @@ class BlockPool:
         list (position i of both covers tokens ``[i*bs, (i+1)*bs)``). Null
         blocks are skipped; a hash already indexed keeps its first block.
         """
+        blocks = self._own(blocks, "blocks")
         _check_count(num_cached_blocks, "num_cached_blocks")
         _check_count(num_full_blocks, "num_full_blocks")
         if num_cached_blocks > num_full_blocks:

@@ -52,6 +52,18 @@ def _nonneg_int(value: object, name: str) -> int:
     return value
 
 
+def _request_id(request: object) -> str:
+    try:
+        request_id = request.request_id
+        request.num_tokens, request.num_computed_tokens, request.block_hashes  # noqa: B018
+    except AttributeError:
+        raise TypeError(
+            f"request must have request_id, num_tokens, num_computed_tokens and block_hashes "
+            f"(see KVCacheRequest), got {type(request).__name__}"
+        ) from None
+    return request_id
+
+
 class KVCacheManager:
     """Blocks of one KV-cache spec, shared by all requests.
 
@@ -122,6 +134,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: its blocks (not yet
         referenced: pass them to ``allocate_slots``) and its length in tokens."""
+        _request_id(request)
         if not self.enable_caching:
             return [], 0
         num_tokens = _nonneg_int(request.num_tokens, "request.num_tokens")
@@ -160,7 +173,7 @@ class KVCacheManager:
         _nonneg_int(num_new_tokens, "num_new_tokens")
         _nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
         _nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
-        request_id = request.request_id
+        request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
         new_computed_blocks = list(new_computed_blocks or ())
         if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:

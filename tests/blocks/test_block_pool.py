@@ -110,3 +110,19 @@ def test_free_queue_links_and_errors():
     q.popleft_n(2)
     with pytest.raises(ValueError, match="empty"):
         q.popleft()
+
+
+def test_foreign_or_wrong_blocks_are_rejected_before_any_change():
+    pool, other = BlockPool(4), BlockPool(8)
+    (a,) = pool.get_new_blocks(1)
+    (stranger,) = other.get_new_blocks(1)
+    before = (pool.free_block_ids(), pool.ref_counts())
+    with pytest.raises(ValueError, match="another pool"):
+        pool.free_blocks([a, stranger])
+    with pytest.raises(TypeError, match="KVCacheBlock"):
+        pool.touch([a, 3])
+    with pytest.raises(TypeError, match="KVCacheBlock"):
+        pool.free_blocks([KVCacheBlock(99)])
+    with pytest.raises(TypeError, match="block_hash must be bytes"):
+        pool.get_cached_block([1, 2, 3])
+    assert (pool.free_block_ids(), pool.ref_counts()) == before

@@ -141,3 +141,11 @@ def test_bad_input_names_the_argument():
     mgr.allocate_slots(b, 8 - hit, hit, blocks)
     with pytest.raises(ValueError, match="admission only"):
         mgr.allocate_slots(b, 1, hit, blocks)
+
+
+def test_objects_that_are_not_requests_are_rejected():
+    mgr = KVCacheManager(FULL, 8)
+    with pytest.raises(TypeError, match="request must have request_id"):
+        mgr.get_computed_blocks([1, 2, 3])
+    with pytest.raises(TypeError, match="request must have request_id"):
+        mgr.allocate_slots("req-1", 4)
