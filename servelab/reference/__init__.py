@@ -9,10 +9,23 @@ tests hold the fast versions to it.
 """
 
 # --- block layer references ---
+from servelab.reference.block_pool import BlockPool  # noqa: E402,F401
+from servelab.reference.kv_cache_manager import KVCacheManager  # noqa: E402,F401
 # --- end block layer references ---
 
 # --- attention references ---
+from servelab.reference.merge_attn_states import merge_attn_states  # noqa: E402
+from servelab.reference.paged_attention import paged_attention  # noqa: E402
+from servelab.reference.reshape_and_cache import reshape_and_cache  # noqa: E402
 # --- end attention references ---
 
 # --- sampling and verification references ---
+from servelab.reference.rejection_sample import rejection_sample  # noqa: E402
+from servelab.reference.sampling import top_k_top_p_keep_mask, top_k_top_p_sample  # noqa: E402
+from servelab.reference.tree_verify import (  # noqa: E402
+    TreeVerifyOutput,
+    verify_tree_greedy,
+    verify_tree_stochastic,
+)
+from servelab.reference.typical_acceptance import typical_acceptance_sample  # noqa: E402
 # --- end sampling references ---

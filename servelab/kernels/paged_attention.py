@@ -1,0 +1,461 @@
+"""Triton paged attention: one launch for a mixed batch of decodes and (chunked) prefills.
+
+Same signature and semantics as :func:`servelab.reference.paged_attention`.
+
+How it works
+------------
+* **Grid** ``(query blocks, KV heads, splits)``. A program owns ``BLOCK_Q``
+  consecutive query tokens of one sequence and *all* query heads that share
+  one KV head (GQA packing): its ``BLOCK_M = BLOCK_Q * group`` rows (padded to
+  a power of two) read each K/V tile once. Sequence ``i`` owns the query blocks
+  starting at ``query_start_loc[i] // BLOCK_Q + i``; that numbering gives every
+  sequence at least ``cdiv(query_len, BLOCK_Q)`` blocks without a host sync,
+  and a program finds its sequence by binary search. Surplus programs exit.
+* **KV loop** over tiles of ``TILE_N`` positions, decoupled from the cache's
+  block size: each position looks up its block in ``block_table``, so any
+  block size works and K/V may be arbitrarily strided views. The loop stops
+  at the last position a causal row can see and starts at the first tile the
+  sliding window reaches. Online softmax in base 2, float32 statistics.
+* **Split-KV (flash-decoding)**: with ``num_splits = S > 1`` each program
+  handles ``1/S`` of its KV tiles and writes a normalised float32 partial and
+  its log-sum-exp; a second small kernel merges the ``S`` partials exactly.
+  :func:`choose_num_splits` decides ``S`` (documented there); pass
+  ``num_splits`` to override.
+* Head sizes that are not powers of two are padded to the next one with
+  masked loads. Under ``TRITON_INTERPRET=1`` bf16 dots run in fp32
+  (``DOT_IN_FP32``), see :func:`servelab.kernels._triton_utils.dot_in_fp32`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from servelab.kernels._triton_utils import (
+    dot_in_fp32,
+    head_size_padded,
+    is_interpreted,
+    require_launchable,
+    sm_count,
+)
+from servelab.reference._attention_checks import check_paged_attention_args
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_SIZE = 256
+LOG2_E = tl.constexpr(1.4426950408889634)  # kernels may only read constexpr globals
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1) is right for large |x| but cancels near 0, where the series
+    # x - x^3/3 + 2x^5/15 is accurate to ~1e-8 for |x| < 0.1. Large softcaps
+    # put every score near 0, so both halves matter.
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0)))
+    saturated = tl.minimum(tl.maximum(x, -15.0), 15.0)  # tanh(15) == 1 in fp32; keeps exp finite
+    closed = 1.0 - 2.0 / (tl.exp(2.0 * saturated) + 1.0)
+    return tl.where(tl.abs(x) < 0.1, series, closed)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """Index of the sequence whose query blocks contain ``q_block`` (upper-bound search)."""
+    # Annotated so both start as int32 tensors: a loop may not reassign a
+    # constexpr (and num_seqs == 1 arrives specialised as one).
+    low: tl.int32 = 0
+    high: tl.int32 = num_seqs
+    while low < high:
+        mid = (low + high) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        go_right = first_block <= q_block
+        low = tl.where(go_right, mid + 1, low)
+        high = tl.where(go_right, high, mid)
+    return low - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, scale, softcap, window,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_os, stride_ot, stride_oh, stride_od,
+    stride_ls, stride_lt, stride_lh,
+    stride_bt_seq, stride_bt_col,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, FP32_IEEE: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    first_token = (q_block - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if first_token >= query_len:
+        return  # surplus program: this sequence has fewer query blocks
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    # Rows: BLOCK_Q tokens x GROUP query heads, token-major.
+    rows = tl.arange(0, BLOCK_M)
+    row_token = first_token + rows // GROUP
+    row_head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (row_token < query_len)
+    row_pos = context_len + row_token
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_SIZE
+
+    q_offsets = (q_begin + row_token)[:, None] * stride_qt + row_head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offsets + dims[None, :] * stride_qd,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    # KV positions this program may need: causal rows stop at their own
+    # position; the window starts at the first row's reach.
+    last_token = tl.minimum(first_token + BLOCK_Q, query_len) - 1
+    if CAUSAL:
+        kv_end = context_len + last_token + 1
+    else:
+        kv_end = seq_len
+    kv_begin = 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(context_len + first_token - window + 1, 0)
+    kv_begin = (kv_begin // TILE_N) * TILE_N
+    num_tiles = tl.cdiv(kv_end - kv_begin, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    block_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = kv_begin + tile * TILE_N + tl.arange(0, TILE_N)
+        kv_valid = kv_pos < kv_end
+        block_ids = tl.load(block_row + (kv_pos // PAGE_SIZE) * stride_bt_col, mask=kv_valid, other=0)
+        block_ids = block_ids.to(tl.int64)
+        in_block = kv_pos % PAGE_SIZE
+        k_rows = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh
+        v_rows = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        # K is loaded transposed, [HEAD_PAD, TILE_N], ready for q @ k.
+        k = tl.load(k_cache_ptr + k_rows[None, :] + dims[:, None] * stride_kd,
+                    mask=dim_valid[:, None] & kv_valid[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :] * stride_vd,
+                    mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if FP32_IEEE:
+            scores = tl.dot(q, k, input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * scale
+        if USE_SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        scores = scores * LOG2_E  # base-2 softmax from here on
+
+        visible = row_valid[:, None] & kv_valid[None, :]
+        if CAUSAL:
+            visible = visible & (kv_pos[None, :] <= row_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (row_pos[:, None] - kv_pos[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row that has seen nothing yet keeps m = -inf; shift it by 0 so the
+        # exponentials below are exp2(-inf) = 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if FP32_IEEE:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # Rows that saw no key (an empty split) store 0 and lse = -inf.
+    has_keys = l_i > 0
+    result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    token = q_begin + row_token
+    out_offsets = split * stride_os + token[:, None] * stride_ot + row_head[:, None] * stride_oh
+    tl.store(out_ptr + out_offsets + dims[None, :] * stride_od,
+             result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if STORE_LSE:
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / LOG2_E, float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + token * stride_lt + row_head * stride_lh, lse, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, num_heads,
+    stride_ps, stride_pt, stride_ph, stride_pd,
+    stride_qs, stride_qt, stride_qh,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """out[t, h] = sum_s w_s * partial[s, t, h] / sum_s w_s, w_s = exp(lse_s - max_s lse_s).
+
+    One program merges ``BLOCK_H`` heads of one token; tiles are
+    ``[splits, heads, dims]``.
+    """
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    lse_mask = (splits < NUM_SPLITS)[:, None] & (heads < num_heads)[None, :]
+    lse = tl.load(partial_lse_ptr + splits[:, None] * stride_qs + token * stride_qt
+                  + heads[None, :] * stride_qh, mask=lse_mask, other=float("-inf"))
+    peak = tl.max(lse, 0)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    weights = tl.exp(lse - peak[None, :])  # [splits, heads]; empty splits weigh 0
+    total = tl.sum(weights, 0)
+    out_mask = lse_mask[:, :, None] & (dims < HEAD_SIZE)[None, None, :]
+    partial = tl.load(
+        partial_out_ptr + splits[:, None, None] * stride_ps + token * stride_pt
+        + heads[None, :, None] * stride_ph + dims[None, None, :] * stride_pd,
+        mask=out_mask, other=0.0)
+    # The stored output of an empty split is never mixed in.
+    weighted = tl.where(weights[:, :, None] > 0, weights[:, :, None] * partial, 0.0)
+    merged = tl.sum(weighted, 0) / tl.where(total > 0, total, 1.0)[:, None]
+    store_mask = (heads < num_heads)[:, None] & (dims < HEAD_SIZE)[None, :]
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+             merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+    if STORE_LSE:
+        merged_lse = tl.where(total > 0, peak + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token * stride_lt + heads * stride_lh, merged_lse, mask=heads < num_heads)
+
+
+INTERPRETED = is_interpreted(_paged_attention_kernel)
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Launch shape: rows per program, KV positions per tile, warps, pipeline stages."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_tiles(num_tokens: int, num_seqs: int, group: int, head_pad: int, interpreted: bool,
+                 element_size: int = 2) -> AttentionTiles:
+    """Tile shape for a batch, from shapes only (no host sync).
+
+    Decode-like batches (at most one query token per sequence on average)
+    get the smallest row block that holds one token's GQA group: decode is
+    memory-bound and wider rows would only be padding. Batches with prefills
+    get 128 rows (64 for head sizes above 128) for tensor-core reuse. 4-byte
+    dtypes halve the tiles so shared memory stays under ~100 KB (consumer
+    GPUs included). Under the interpreter tiles are kept small so short test
+    sequences still exercise several query blocks and KV tiles per program.
+    """
+    group_rows = max(16, triton.next_power_of_2(group))
+    if interpreted:
+        return AttentionTiles(block_m=group_rows, tile_n=16)
+    shrink = 2 if element_size >= 4 else 1
+    tile_n = max(16, (64 if head_pad <= 128 else 32) // shrink)
+    if num_tokens <= num_seqs:
+        return AttentionTiles(block_m=group_rows, tile_n=tile_n, num_warps=4, num_stages=3)
+    block_m = max(group_rows, (128 if head_pad <= 128 else 64) // shrink)
+    return AttentionTiles(block_m=block_m, tile_n=tile_n, num_warps=8, num_stages=2)
+
+
+# Split-KV heuristic knobs (module-level so experiments can change them).
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+SPLIT_MIN_TOKENS = 256
+SPLIT_MAX = 16
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """How many programs share one (query block, KV head)'s KV range.
+
+    Splitting pays when the batch alone would leave the GPU idle: few
+    sequences x KV heads, long contexts, decode only. Rule:
+
+    * any prefill in the batch (``num_tokens > num_seqs``) -> 1: prefill
+      programs are plentiful and compute-bound;
+    * otherwise aim for ``SPLIT_TARGET_PROGRAMS_PER_SM * num_sms`` programs:
+      ``S = cdiv(target, num_seqs * num_kv_heads)``, capped so each split
+      keeps at least ``SPLIT_MIN_TOKENS`` of the longest possible context
+      (``max_context``, the block table's capacity) and at ``SPLIT_MAX``.
+
+    Each program then cuts *its own* sequence's KV range into ``S`` parts, so
+    shorter sequences in the batch get shorter parts, not idle ones.
+    """
+    if num_seqs == 0 or num_tokens > num_seqs:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = SPLIT_TARGET_PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    splits = min(-(-target // programs), max_context // SPLIT_MIN_TOKENS, SPLIT_MAX)
+    return max(1, splits)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a launch that depends on shapes and options, not on data.
+
+    ``attention_constants`` / ``combine_constants`` are the constexpr kernel
+    arguments (also used by the offline GPU-compile test); ``grid`` is the
+    attention kernel's grid; ``combine_grid`` is ``None`` without split-KV.
+    """
+
+    tiles: AttentionTiles
+    num_splits: int
+    grid: tuple[int, int, int]
+    combine_grid: tuple[int, int] | None
+    attention_constants: dict
+    combine_constants: dict
+
+
+def plan_launch(
+    *, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
+    block_size: int, max_context: int, dtype: torch.dtype, causal: bool, sliding_window: int | None,
+    softcap: float | None, return_lse: bool, num_splits: int | None, interpreted: bool, num_sms: int,
+) -> LaunchPlan:
+    """Pick tiles and split count and derive the kernels' constexprs and grids."""
+    group = num_q_heads // num_kv_heads
+    head_pad = head_size_padded(head_size)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    tiles = choose_tiles(num_tokens, num_seqs, group, head_pad, interpreted, element_size)
+    block_q = max(1, tiles.block_m // group)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, num_seqs, num_kv_heads, max_context, num_sms)
+    attention = dict(
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, PAGE_SIZE=block_size,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
+        NUM_SPLITS=num_splits, CAUSAL=causal, USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None, STORE_LSE=num_splits > 1 or return_lse,
+        DOT_IN_FP32=dot_in_fp32(dtype, interpreted), FP32_IEEE=dtype == torch.float32,
+    )
+    # A few heads per combine program on a GPU (plenty of programs); all heads
+    # of a token under the interpreter, where each program costs milliseconds.
+    block_h = triton.next_power_of_2(num_q_heads)
+    if not interpreted:
+        block_h = min(block_h, 4)
+    block_h = max(2, block_h)  # no size-1 tile dimensions; masks cover the padding
+    combine = dict(
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK_H=block_h,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, STORE_LSE=return_lse,
+    )
+    return LaunchPlan(
+        tiles=tiles, num_splits=num_splits,
+        grid=(num_tokens // block_q + num_seqs, num_kv_heads, num_splits),
+        combine_grid=(num_tokens, triton.cdiv(num_q_heads, block_h)) if num_splits > 1 else None,
+        attention_constants=attention, combine_constants=combine,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    check_inputs: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Paged attention of a mixed batch in one Triton launch (two with split-KV).
+
+    Arguments, result and semantics as :func:`servelab.reference.paged_attention`
+    (shapes: ``query`` ``[num_tokens, num_q_heads, head_size]``, caches
+    ``[num_blocks, block_size, num_kv_heads, head_size]``, int32 tables).
+    Kernel limits: float16/bfloat16/float32, ``head_size <= 256``.
+
+    Args:
+        num_splits: ``None`` lets :func:`choose_num_splits` decide; ``1``
+            disables split-KV; ``S > 1`` forces ``S`` splits.
+        return_lse: also return the float32 ``[num_tokens, num_q_heads]``
+            natural-log log-sum-exp of the scores.
+        check_inputs: run the checks that read tensor contents (one host sync).
+    """
+    scale = check_paged_attention_args(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+        out=out, num_splits=num_splits, check_values=check_inputs,
+    )
+    if query.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"query dtype {query.dtype} is not supported by the Triton kernel "
+            "(float16, bfloat16, float32); the torch reference takes float64"
+        )
+    num_tokens, num_q_heads, head_size = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    if head_size > MAX_HEAD_SIZE:
+        raise ValueError(f"query head_size {head_size} exceeds the kernel's maximum {MAX_HEAD_SIZE}")
+    require_launchable("query", query, _paged_attention_kernel)
+
+    if out is None:
+        out = torch.empty_like(query)
+    lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else None
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return (out, lse) if return_lse else out
+
+    max_context = block_table.shape[1] * block_size
+    plan = plan_launch(
+        num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, block_size=block_size, max_context=max_context,
+        dtype=query.dtype, causal=causal, sliding_window=sliding_window, softcap=softcap,
+        return_lse=return_lse, num_splits=num_splits, interpreted=INTERPRETED,
+        num_sms=sm_count(query.device),
+    )
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    splits = plan.num_splits
+    if splits > 1:  # partials go to float32 workspaces, merged below
+        target = torch.empty((splits, num_tokens, num_q_heads, head_size), dtype=torch.float32, device=query.device)
+        target_lse = torch.empty((splits, num_tokens, num_q_heads), dtype=torch.float32, device=query.device)
+        out_strides, lse_strides = target.stride(), target_lse.stride()
+    else:
+        target, target_lse = out, lse if lse is not None else out  # lse pointer unused without it
+        out_strides = (0, *out.stride())
+        lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
+
+    _paged_attention_kernel[plan.grid](
+        query, key_cache, value_cache, target, target_lse,
+        block_table, seq_lens, query_start_loc,
+        # A window wider than anything the table can address changes nothing;
+        # clamping keeps it an int32.
+        num_seqs, scale, float(softcap or 1.0), min(int(sliding_window or 1), max_context + 1),
+        *query.stride(), *key_cache.stride(), *value_cache.stride(),
+        *out_strides, *lse_strides, *block_table.stride(),
+        **plan.attention_constants, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+    )
+    if plan.combine_grid is not None:
+        _combine_splits_kernel[plan.combine_grid](
+            target, target_lse, out, lse if lse is not None else target_lse, num_q_heads,
+            *target.stride(), *target_lse.stride(), *out.stride(),
+            *(lse.stride() if lse is not None else (0, 0)),
+            **plan.combine_constants, num_warps=4 if head_size > 64 else 1,
+        )
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["AttentionTiles", "LaunchPlan", "choose_num_splits", "choose_tiles", "paged_attention", "plan_launch"]

@@ -1,0 +1,233 @@
+"""The Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+
+One class, :class:`LlamaForCausalLM`, covers the three HF architectures; they
+differ only in config (q/k/v bias for Qwen2, a sliding window for Mistral and
+some Qwen2 layers, tied embeddings, RoPE scaling), all read by
+:class:`~servelab.models.config.ModelConfig`.
+
+The forward pass takes the flat token axis of a mixed batch (see
+:mod:`servelab.models.metadata`) and, in every layer, writes this step's K/V
+into that layer's paged cache with ``attention.reshape_and_cache`` and then
+reads the whole context back with ``attention.paged_attention`` — the two ops
+of DESIGN.md. ``attention`` is any object with those two methods: a backend
+from :func:`servelab.backends.get_attention_backend` (the default is
+``"torch"``, the references), the :mod:`servelab.reference` module itself, or
+a researcher's own. The metadata is passed explicitly instead of through a
+global "forward context" as in vLLM: easier to read and to call from a notebook.
+
+Parameter names follow HF (``model.layers.3.self_attn...``) except that
+``q/k/v_proj`` are fused into ``qkv_proj`` and ``gate/up_proj`` into
+``gate_up_proj`` (one GEMM each); the loader maps HF names onto them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelab.models.config import ModelConfig
+from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from servelab.models.metadata import AttentionMetadata
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def resolve_attention(attention: Any = None) -> Any:
+    """Turn ``None`` / a backend name / an object with the two ops into the ops object.
+
+    ``None`` means the PyTorch references (backend ``"torch"``); a string is
+    looked up with :func:`servelab.backends.get_attention_backend`.
+    """
+    if attention is None:
+        attention = "torch"
+    if isinstance(attention, str):
+        from servelab.backends import get_attention_backend
+
+        return get_attention_backend(attention)
+    missing = [op for op in ("reshape_and_cache", "paged_attention") if not callable(getattr(attention, op, None))]
+    if missing:
+        raise TypeError(
+            f"attention must be a backend name or an object with reshape_and_cache and paged_attention; "
+            f"{type(attention).__name__} lacks {', '.join(missing)}"
+        )
+    return attention
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention of one layer: fused QKV projection, RoPE, paged cache, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype=None, device=None) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        # Rows: [q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)].
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                attention: Any) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        # Write first: this step's queries attend to this step's keys too.
+        attention.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        extra = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        out = attention.paged_attention(
+            q, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, scale=self.scale, causal=True, **extra,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype=None, device=None) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, layer_idx, **kw)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, **kw)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(self, x, cos, sin, kv_cache, metadata, attention) -> torch.Tensor:
+        # Unfused residual adds (not vLLM's fused add+norm) so that bf16 rounds
+        # exactly as HF does.
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, dtype=None, device=None) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral decoder with a language-model head.
+
+    Build with :func:`servelab.models.load_model` (weights from a checkpoint)
+    or directly from a :class:`ModelConfig` (parameters uninitialized when
+    ``device="meta"``; ``load_weights`` fills them).
+
+    Args:
+        config: validated model config.
+        attention: ops object or backend name (see :func:`resolve_attention`);
+            swap it later by assigning ``model.attention = "triton"`` (or an object).
+        dtype, device: of the parameters (activations follow).
+
+    Attributes:
+        check_inputs: when True (default) ``forward`` checks token ids against
+            the vocabulary (one host sync); set False in tight loops.
+    """
+
+    def __init__(self, config: ModelConfig, attention: Any = None, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention  # resolved by the property setter
+        self.check_inputs = True
+        self.model = LlamaModel(config, dtype=dtype, device=device)
+        # Tied: the head reuses embed_tokens.weight (no second parameter, so
+        # tying survives .to() / to_empty()).
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    @property
+    def attention(self) -> Any:
+        """The attention ops object; assigning a backend name or object resolves it."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, value: Any) -> None:
+        object.__setattr__(self, "_attention", resolve_attention(value))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """``[vocab, hidden]``: ``lm_head.weight``, or ``embed_tokens.weight`` when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: KVCaches | Any, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Run one step of a mixed batch; returns the final hidden states.
+
+        Args:
+            input_ids: int64 ``[T]``, this step's tokens of all sequences, flat.
+            positions: int64 ``[T]``, absolute position of each token.
+            kv_caches: per layer ``(key_cache, value_cache)``, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
+                model dtype (or the :class:`~servelab.blocks.KVCacheBuffers`
+                from :func:`~servelab.models.allocate_kv_caches`); written in place.
+            attn_metadata: slot mapping, block table, seq_lens, query_start_loc.
+
+        Returns:
+            ``[T, hidden_size]`` in the model dtype, after the final norm; pick
+            rows (``attn_metadata.logits_indices()``) and call :meth:`compute_logits`.
+        """
+        caches = list(getattr(kv_caches, "views", kv_caches))
+        self._check(input_ids, positions, caches, attn_metadata)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, attn_metadata.seq_lens, attn_metadata.query_start_loc,
+                                   dtype=x.dtype)
+        for layer, kv_cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata, self.attention)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 logits ``[n, vocab_size]`` (GEMM in the model dtype, as HF)."""
+        return F.linear(hidden_states, self.lm_head_weight).float()
+
+    def _check(self, input_ids, positions, caches, metadata: AttentionMetadata) -> None:
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be a 1-D int64/int32 tensor [T], got shape {tuple(input_ids.shape)} "
+                f"dtype {input_ids.dtype}"
+            )
+        if positions.shape != input_ids.shape:
+            raise ValueError(
+                f"positions shape {tuple(positions.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+            )
+        if len(caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"kv_caches has {len(caches)} entries; the model has {self.config.num_hidden_layers} layers"
+            )
+        if metadata.slot_mapping.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"attn_metadata.slot_mapping has {metadata.slot_mapping.shape[0]} entries for "
+                f"{input_ids.shape[0]} tokens"
+            )
+        if self.check_inputs and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
