@@ -1,0 +1,200 @@
+"""Scheduler overhead: servelab's ``Scheduler`` vs vLLM's on the same workload.
+
+Workload (both sides identical): ``--num-requests`` requests (default 1024),
+each ``--prompt-len`` prompt tokens (default 256: a 64-token system prompt
+shared by groups of requests, then unique tokens) and ``--output-len`` output
+tokens (default 64, ended by ``max_tokens``); all arrive at once; prefix
+caching on; chunked prefill on; ``max_num_seqs`` = all requests,
+``max_num_batched_tokens`` 8192; enough KV blocks that nothing is preempted.
+The fake model returns one token per request whose prefill has reached the
+end of its tokens, nothing for a partial prefill.
+
+Only ``schedule()`` and ``update_from_output()`` are timed (the fake model
+and request construction are not); the figure is steps per second over the
+whole run, best of ``--repeats``.
+
+Usage::
+
+    python bench/scheduler_vs_vllm.py --vllm-python /work/anchors-venv/bin/python
+
+vLLM runs in a subprocess of that interpreter (with ``VLLM_TARGET_DEVICE=cpu``)
+through this same file; without it, and when vLLM is not importable here, its
+column is skipped with a message. See ``../shared/anchors/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BLOCK_SIZE = 16
+MAX_BATCHED = 8192
+SHARED_PREFIX = 64
+NUM_PREFIXES = 8
+TOKEN = 7  # what the fake model samples: never EOS (2) in the tiny config
+VLLM_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "tiny-llama-config"
+
+
+def make_prompts(num_requests: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, 32000) for _ in range(SHARED_PREFIX)] for _ in range(NUM_PREFIXES)]
+    return [prefixes[i % NUM_PREFIXES] + [rng.randrange(10, 32000) for _ in range(prompt_len - SHARED_PREFIX)]
+            for i in range(num_requests)]
+
+
+def num_blocks_for(num_requests: int, prompt_len: int, output_len: int) -> int:
+    return num_requests * (-(-(prompt_len + output_len) // BLOCK_SIZE) + 1) + 64
+
+
+def bench_servelab(num_requests: int, prompt_len: int, output_len: int, repeats: int) -> dict:
+    from servelab.blocks import FullAttentionSpec, KVCacheManager
+    from servelab.samplers.params import SamplingParams
+    from servelab.scheduling import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
+
+    prompts = make_prompts(num_requests, prompt_len)
+    params = SamplingParams(max_tokens=output_len)
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64, dtype="float32")
+    best = None
+    for _ in range(repeats):
+        kv = KVCacheManager(spec, num_blocks_for(num_requests, prompt_len, output_len), enable_caching=True)
+        config = SchedulerConfig(max_num_batched_tokens=MAX_BATCHED, max_num_seqs=num_requests,
+                                 max_model_len=4096)
+        sched = Scheduler(config, kv, "fcfs")
+        for i, p in enumerate(prompts):
+            sched.add_request(Request(f"r{i}", p, params, eos_token_id=2, arrival_time=0.0))
+        steps, elapsed, max_running = 0, 0.0, 0
+        requests = sched.requests
+        while sched.has_unfinished_requests():
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            ids = list(out.num_scheduled_tokens)
+            sampled = [[TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
+            model_out = ModelRunnerOutput(ids, sampled)
+            max_running = max(max_running, len(ids))
+            t2 = time.perf_counter()
+            sched.update_from_output(out, model_out)
+            elapsed += (t1 - t0) + (time.perf_counter() - t2)
+            steps += 1
+        result = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed, "max_batch": max_running}
+        if best is None or result["steps_per_s"] > best["steps_per_s"]:
+            best = result
+    return best
+
+
+def bench_vllm(num_requests: int, prompt_len: int, output_len: int, repeats: int) -> dict:
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    init_none_hash(sha256)
+    prompts = make_prompts(num_requests, prompt_len)
+    num_blocks = num_blocks_for(num_requests, prompt_len, output_len)
+    model_config = ModelConfig(model=str(VLLM_CONFIG), skip_tokenizer_init=True, dtype="float32", seed=0,
+                               max_model_len=4096)
+    sched_config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=MAX_BATCHED,
+                                   max_model_len=4096, is_encoder_decoder=False, enable_chunked_prefill=True)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto",
+                               enable_prefix_caching=True)
+    cache_config.num_gpu_blocks = num_blocks
+    vllm_config = VllmConfig(scheduler_config=sched_config, model_config=model_config, cache_config=cache_config)
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=4, head_size=64,
+                                                      dtype=torch.float32))])
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    best = None
+    for _ in range(repeats):
+        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=BLOCK_SIZE, log_stats=True)
+        for i, p in enumerate(prompts):
+            sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=output_len), None, arrival_time=0.0,
+                                      block_hasher=hasher))
+        steps, elapsed, max_running = 0, 0.0, 0
+        requests = sched.requests
+        while sched.has_unfinished_requests():
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            ids = list(out.num_scheduled_tokens)
+            sampled = [[TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
+            model_out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=sampled)
+            max_running = max(max_running, len(ids))
+            t2 = time.perf_counter()
+            sched.update_from_output(out, model_out)
+            elapsed += (t1 - t0) + (time.perf_counter() - t2)
+            steps += 1
+        result = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed, "max_batch": max_running}
+        if best is None or result["steps_per_s"] > best["steps_per_s"]:
+            best = result
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="python of an environment where vllm imports")
+    parser.add_argument("--num-requests", type=int, default=1024)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--only", choices=["servelab", "vllm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.prompt_len <= SHARED_PREFIX:
+        parser.error(f"--prompt-len must exceed the {SHARED_PREFIX}-token shared prefix")
+    work = (args.num_requests, args.prompt_len, args.output_len, args.repeats)
+    if args.only:
+        print(json.dumps((bench_servelab if args.only == "servelab" else bench_vllm)(*work)))
+        return 0
+
+    ours = bench_servelab(*work)
+    theirs, note = None, ""
+    try:
+        import vllm  # noqa: F401
+
+        theirs = bench_vllm(*work)
+    except ImportError:
+        if args.vllm_python:
+            env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+            cmd = [args.vllm_python, __file__, "--only", "vllm", "--num-requests", str(args.num_requests),
+                   "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
+                   "--repeats", str(args.repeats)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return 1
+            theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+        else:
+            note = "vLLM is not importable here; pass --vllm-python (see ../shared/anchors/README.md). Skipped."
+
+    print(f"workload: {args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) "
+          f"tokens, prefix caching on, {MAX_BATCHED} tokens/step, fake model")
+    print(f"{'scheduler':<10}{'steps':>7}{'seconds':>10}{'steps/s':>10}{'max batch':>11}")
+    for name, r in (("servelab", ours), ("vLLM", theirs)):
+        if r:
+            print(f"{name:<10}{r['steps']:>7}{r['seconds']:>10.3f}{r['steps_per_s']:>10.1f}{r['max_batch']:>11}")
+    if theirs:
+        print(f"ratio servelab/vLLM steps/s: {ours['steps_per_s'] / theirs['steps_per_s']:.2f}")
+    if note:
+        print(note)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"servelab": ours, "vllm": theirs, "args": vars(args)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

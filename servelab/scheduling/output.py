@@ -1,0 +1,163 @@
+"""What crosses the scheduler's boundary each step.
+
+``schedule()`` returns a :class:`SchedulerOutput`; the model runner executes
+it and answers with a :class:`ModelRunnerOutput`; ``update_from_output``
+turns that into :class:`RequestOutput` records for the caller.
+
+A model runner keeps one block-table row per request it knows and builds its
+inputs from a ``SchedulerOutput`` alone:
+
+- a request in ``scheduled_new_reqs`` is new to the runner: its row is
+  ``block_ids`` and its tokens are ``prompt_token_ids``;
+- a request in ``scheduled_cached_reqs`` is known: append ``new_block_ids[i]``
+  to its row, or, when ``resumed[i]`` (it was preempted, and the runner
+  dropped it when it appeared in ``preempted_req_ids``), *replace* the row with
+  ``new_block_ids[i]`` and its tokens with ``resumed_token_ids[req_id]``;
+- request ``r`` computes positions ``c .. c + n - 1`` where ``c`` is its
+  ``num_computed_tokens`` entry and ``n = num_scheduled_tokens[r]``; the input
+  token at position ``p`` is the request's token ``p``, or draft
+  ``p - num_tokens`` from ``scheduled_spec_decode_tokens[r]`` past the known
+  tokens. Position ``p`` goes to slot ``row[p // block_size] * block_size +
+  p % block_size``; ``seq_len = c + n``.
+- ids in ``finished_req_ids`` and ``preempted_req_ids`` are to be dropped.
+
+Block ids are those of the scheduler's single KV-cache group; a row may hold
+the null block (0) for positions a sliding window released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.samplers.params import SamplingParams
+from servelab.scheduling.request import RequestMetrics
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the model runner has not seen: everything to start it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    """The request's whole block-table row."""
+    num_computed_tokens: int
+    """Tokens already in the cache before this step (a prefix-cache hit)."""
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already knows, as parallel lists (one entry each)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed: list[bool] = field(default_factory=list)
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    """Blocks to append to the row; for a resumed request, the whole new row."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+    """Tokens in the cache before this step."""
+    resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """All token ids (prompt + output) of each resumed request."""
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work (see the module docstring for how a runner reads it)."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens computed this step per request (prompt chunk, or 1 + drafts)."""
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    """Draft tokens verified this step, per request that has any."""
+    finished_req_ids: set[str]
+    """Requests that ended since the previous step (finished, aborted, failed)."""
+    preempted_req_ids: set[str]
+    """Requests preempted by this step: their blocks are gone."""
+    total_num_kv_tokens: int = 0
+    """Sum over scheduled requests of ``num_computed_tokens + scheduled``: the
+    KV positions attention reads this step (what a cost model charges)."""
+    step: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    def iter_scheduled(self) -> Iterator[tuple[str, int, int]]:
+        """``(req_id, num_computed_tokens, num_scheduled_tokens)`` of every
+        scheduled request: new ones first, then continuing ones."""
+        nst = self.num_scheduled_tokens
+        for data in self.scheduled_new_reqs:
+            yield data.req_id, data.num_computed_tokens, nst[data.req_id]
+        cached = self.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            yield req_id, computed, nst[req_id]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step produced, per scheduled request.
+
+    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: empty while a chunked
+    prefill has not reached the end of the prompt (tokens given for such a
+    request are ignored), one token normally, accepted drafts plus one with
+    speculative decoding. A scheduled request missing from ``req_ids`` counts
+    as having produced nothing: its last position is recomputed next step.
+
+    Optional, aligned with ``req_ids`` when given: ``spec_token_ids`` (draft
+    tokens proposed for the next step), ``logprobs`` (passed through to the
+    request's output, opaque to the scheduler).
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    spec_token_ids: list[list[int]] | None = None
+    logprobs: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.req_ids)
+        for name in ("sampled_token_ids", "spec_token_ids", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"ModelRunnerOutput.{name} has {len(value)} entries for {n} req_ids")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New tokens of one request from one step, and its end when it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    """"stop", "length", "abort" or "error" once finished."""
+    stop_reason: int | str | None = None
+    """The stop token id (or stop string, via ``finish_request``) that ended it."""
+    error: str | None = None
+    """Why it failed (finish_reason "error")."""
+    logprobs: Any = None
+    metrics: RequestMetrics | None = None
+    """Set on the final output."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_steps: int
+    num_preemptions: int
+    num_finished: int
+    num_failed: int
+    num_aborted: int

@@ -1,0 +1,39 @@
+"""Trace-driven simulation of scheduling policies.
+
+A real :class:`~servelab.scheduling.Scheduler` and
+:class:`~servelab.blocks.KVCacheManager` serve a workload; a linear step-cost
+model stands in for the model and advances a virtual clock. 10,000 requests
+take seconds on one CPU core.
+
+- :mod:`.workload`: Poisson / gamma arrivals, fixed / uniform / lognormal /
+  CSV lengths, shared-prefix groups, clients, priorities.
+- :mod:`.cost_model`: ``StepCostModel`` and its least-squares ``fit``.
+- :mod:`.engine`: ``simulate`` and ``compare_policies``.
+- :mod:`.metrics`: ``SimulationResult`` (TTFT, ITL, TPOT, e2e, throughput,
+  goodput, prefix hit rate, preemptions, KV usage, per-client service).
+- :mod:`.report`: a text table, a CSV and a matplotlib figure.
+
+Example::
+
+    from servelab.scheduling.simulator import WorkloadSpec, compare_policies, format_table
+    results = compare_policies(WorkloadSpec(num_requests=2000, rate=8), ["fcfs", "sjf", "vtc"])
+    print(format_table(results))
+"""
+
+from servelab.scheduling.simulator.cost_model import StepCostModel
+from servelab.scheduling.simulator.engine import VirtualClock, compare_policies, simulate
+from servelab.scheduling.simulator.metrics import ClientStats, LatencySummary, SimulationResult
+from servelab.scheduling.simulator.report import format_client_table, format_table, plot_results, write_csv
+from servelab.scheduling.simulator.workload import (
+    LengthDist,
+    TraceRequest,
+    WorkloadSpec,
+    generate_workload,
+    load_trace_csv,
+)
+
+__all__ = [
+    "ClientStats", "LatencySummary", "LengthDist", "SimulationResult", "StepCostModel", "TraceRequest",
+    "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
+    "generate_workload", "load_trace_csv", "plot_results", "simulate", "write_csv",
+]

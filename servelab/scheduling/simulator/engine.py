@@ -1,0 +1,151 @@
+"""The simulation loop: a real ``Scheduler`` and ``KVCacheManager``, a fake model
+and a virtual clock.
+
+Each iteration admits the requests that have arrived by now, calls
+``schedule()``, charges the step's cost-model time to the clock, answers with
+one token for every request whose computation reached the end of its tokens
+(nothing for a partial prefill), and calls ``update_from_output``. When
+nothing is pending the clock jumps to the next arrival. Output lengths are
+imposed through ``max_tokens`` (the fake token is never a stop token). A
+request the scheduler refuses (a prompt over ``max_model_len``) counts as
+failed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from servelab.blocks import FullAttentionSpec, KVCacheManager
+from servelab.samplers.params import SamplingParams
+from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.output import ModelRunnerOutput
+from servelab.scheduling.policies import SchedulingPolicy, get_policy
+from servelab.scheduling.request import Request, RequestStatus
+from servelab.scheduling.scheduler import Scheduler
+from servelab.scheduling.simulator.cost_model import StepCostModel
+from servelab.scheduling.simulator.metrics import SimulationResult
+from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload
+
+FAKE_TOKEN = 7
+
+
+class VirtualClock:
+    """The simulator's time; the scheduler reads it by calling it."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(
+    workload: WorkloadSpec | Sequence[TraceRequest],
+    policy: str | SchedulingPolicy = "fcfs",
+    *,
+    scheduler_config: SchedulerConfig | None = None,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    watermark: float = 0.01,
+    cost_model: StepCostModel | None = None,
+    ttft_slo_s: float = 1.0,
+    tpot_slo_s: float = 0.1,
+    max_steps: int | None = None,
+) -> SimulationResult:
+    """Run ``workload`` through a scheduler with ``policy``; return its metrics.
+
+    Args:
+        workload: a spec (generated here, seeded) or a list of requests.
+        policy: a policy object or a registered name.
+        scheduler_config: limits; default ``SchedulerConfig(max_num_batched_tokens=2048,
+            max_num_seqs=256, max_model_len=8192)``.
+        num_blocks, block_size, enable_prefix_caching, watermark: the KV
+            cache (one full-attention group).
+        cost_model: seconds per step; default :class:`StepCostModel`.
+        ttft_slo_s, tpot_slo_s: SLOs for goodput.
+        max_steps: stop after this many steps (raises if requests remain).
+    """
+    requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
+    config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    cost = cost_model or StepCostModel()
+    policy_obj = get_policy(policy)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")
+    kv = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=config.max_model_len,
+                        watermark=watermark)
+    clock = VirtualClock(requests[0].arrival_time if requests else 0.0)
+    sched = Scheduler(config, kv, policy_obj, clock=clock)
+
+    # Requests are built up front: their construction is not the scheduler's cost.
+    params_of: dict[int, SamplingParams] = {}
+    pending: list[Request] = []
+    for r in sorted(requests, key=lambda r: r.arrival_time):
+        params = params_of.get(r.max_tokens)
+        if params is None:
+            params = params_of[r.max_tokens] = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        pending.append(Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
+                               priority=r.priority, client_id=r.client_id))
+    live = sched.requests
+    finished = []
+    kv_times, kv_usage = [], []
+    one = [FAKE_TOKEN]
+    nothing: list[int] = []
+    next_arrival, total = 0, len(pending)
+    steps = 0
+    wall_start = time.perf_counter()
+    while next_arrival < total or live:
+        while next_arrival < total and pending[next_arrival].arrival_time <= clock.now:
+            request = pending[next_arrival]
+            next_arrival += 1
+            try:
+                sched.add_request(request)
+            except ValueError as exc:  # e.g. a prompt over max_model_len: counted as failed
+                request.status, request.error, request.finish_time = RequestStatus.FINISHED_FAILED, str(exc), clock.now
+                finished.append(request.metrics())
+        if not live:
+            clock.now = pending[next_arrival].arrival_time
+            continue
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        if ids:
+            clock.now += cost.step_time(out.total_num_scheduled_tokens, out.total_num_kv_tokens)
+        elif next_arrival < total:  # only failures this step; let time pass to the next arrival
+            clock.now = max(clock.now, pending[next_arrival].arrival_time)
+        sampled = [one if live[r].num_computed_tokens >= live[r].num_tokens else nothing for r in ids]
+        for o in sched.update_from_output(out, ModelRunnerOutput(ids, sampled)):
+            if o.finished:
+                finished.append(o.metrics)
+        kv_times.append(clock.now)
+        kv_usage.append(kv.usage)
+        steps += 1
+        if max_steps is not None and steps >= max_steps and live:
+            raise RuntimeError(f"simulation hit max_steps={max_steps} with {len(live)} requests unfinished")
+        if not ids and not out.finished_req_ids and live and next_arrival >= total and not sched.running:
+            raise RuntimeError("scheduler made no progress with requests pending and none arriving")
+    wall = time.perf_counter() - wall_start
+    name = policy if isinstance(policy, str) else getattr(policy_obj, "name", type(policy_obj).__name__)
+    return SimulationResult(name, finished, steps, sched.num_preemptions, np.asarray(kv_times),
+                            np.asarray(kv_usage), wall, ttft_slo_s, tpot_slo_s,
+                            extra={"num_blocks": num_blocks, "block_size": block_size,
+                                   "rate": getattr(workload, "rate", math.nan)})
+
+
+def compare_policies(
+    workload: WorkloadSpec | Sequence[TraceRequest],
+    policies: Sequence[str | SchedulingPolicy] = ("fcfs", "priority", "sjf", "vtc"),
+    **kwargs,
+) -> list[SimulationResult]:
+    """:func:`simulate` each policy on the same requests."""
+    requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
+    results = []
+    for p in policies:
+        result = simulate(requests, p, **kwargs)
+        result.extra["rate"] = getattr(workload, "rate", math.nan)
+        results.append(result)
+    return results

@@ -1,0 +1,214 @@
+"""Workloads for the simulator: when requests arrive, how long they are, who sent them.
+
+A workload is a list of :class:`TraceRequest` sorted by arrival time, either
+generated from a :class:`WorkloadSpec` (seeded: the same spec gives the same
+requests, token for token) or read from a CSV trace.
+
+Length distributions are written as short strings (CLI) or built directly:
+``"fixed:512"``, ``"uniform:64:1024"`` (inclusive), ``"lognormal:512:0.8"``
+(median, sigma; clipped to [1, 32768]).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MAX_SAMPLED_LEN = 32768
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A distribution of token counts: ``fixed``, ``uniform`` or ``lognormal``."""
+
+    kind: str = "fixed"
+    a: float = 256
+    """fixed: the value; uniform: low; lognormal: median."""
+    b: float = 0
+    """uniform: high (inclusive); lognormal: sigma of the log."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "uniform", "lognormal"):
+            raise ValueError(f"LengthDist.kind={self.kind!r}; valid: fixed, uniform, lognormal")
+        if self.a < 1 or (self.kind == "uniform" and self.b < self.a) or (self.kind == "lognormal" and self.b < 0):
+            raise ValueError(f"LengthDist {self} is invalid: lengths are >= 1, uniform needs low <= high, "
+                             "lognormal needs sigma >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        """``"512"``, ``"fixed:512"``, ``"uniform:64:1024"`` or ``"lognormal:512:0.8"``."""
+        parts = str(text).split(":")
+        try:
+            if len(parts) == 1:
+                return cls("fixed", int(parts[0]))
+            if parts[0] == "fixed" and len(parts) == 2:
+                return cls("fixed", int(parts[1]))
+            if parts[0] in ("uniform", "lognormal") and len(parts) == 3:
+                return cls(parts[0], float(parts[1]), float(parts[2]))
+        except ValueError as exc:
+            raise ValueError(f"length distribution {text!r}: {exc}") from None
+        raise ValueError(f"length distribution {text!r} is not one of fixed:N, uniform:LOW:HIGH, "
+                         "lognormal:MEDIAN:SIGMA")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(n, int(self.a), dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(int(self.a), int(self.b) + 1, size=n)
+        values = np.exp(rng.normal(math.log(self.a), self.b, size=n))
+        return np.clip(np.rint(values), 1, MAX_SAMPLED_LEN).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a workload."""
+
+    request_id: str
+    arrival_time: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+    client_id: str = "default"
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A synthetic workload.
+
+    Attributes:
+        num_requests: how many requests.
+        rate: mean arrivals per second; ``inf`` puts every arrival at t=0.
+        arrival: ``"poisson"`` (exponential gaps) or ``"gamma"`` (gamma gaps
+            with shape ``burstiness``: < 1 is burstier than Poisson, > 1
+            smoother; the mean gap stays ``1/rate``).
+        prompt_len, output_len: lengths (the prompt length excludes a shared
+            prefix); outputs end by ``max_tokens``.
+        num_prefix_groups, prefix_len: shared system prompts — each request
+            starts with one of ``num_prefix_groups`` prefixes of ``prefix_len``
+            tokens (0 groups: none).
+        num_clients: clients sending requests; ``client_weights`` (one per
+            client) gives their shares of the requests, default equal. Each
+            client may have its own length scale via ``client_length_scale``
+            (multiplies prompt and output lengths; fairness studies).
+        num_priorities: priorities drawn uniformly from ``range(num_priorities)``.
+        seed: everything random derives from it.
+    """
+
+    num_requests: int = 1000
+    rate: float = 10.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    prompt_len: LengthDist = field(default_factory=lambda: LengthDist("lognormal", 512, 0.6))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("lognormal", 128, 0.6))
+    num_prefix_groups: int = 0
+    prefix_len: int = 0
+    num_clients: int = 1
+    client_weights: tuple[float, ...] | None = None
+    client_length_scale: tuple[float, ...] | None = None
+    num_priorities: int = 1
+    vocab_size: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "num_clients", "num_priorities", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"WorkloadSpec.{name}={getattr(self, name)!r} must be an int >= 1")
+        for name in ("num_prefix_groups", "prefix_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"WorkloadSpec.{name}={getattr(self, name)!r} must be an int >= 0")
+        if not self.rate > 0:
+            raise ValueError(f"WorkloadSpec.rate={self.rate!r} must be > 0 (inf: all at once)")
+        if self.arrival not in ("poisson", "gamma"):
+            raise ValueError(f"WorkloadSpec.arrival={self.arrival!r}; valid: poisson, gamma")
+        if not self.burstiness > 0:
+            raise ValueError(f"WorkloadSpec.burstiness={self.burstiness!r} must be > 0")
+        if (self.num_prefix_groups > 0) != (self.prefix_len > 0):
+            raise ValueError("WorkloadSpec.num_prefix_groups and prefix_len must be both 0 or both > 0")
+        for name in ("client_weights", "client_length_scale"):
+            value = getattr(self, name)
+            if value is not None and (len(value) != self.num_clients or min(value) <= 0):
+                raise ValueError(f"WorkloadSpec.{name} must hold num_clients={self.num_clients} positive numbers")
+
+
+def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
+    """The requests of ``spec``, sorted by arrival; reproducible from its seed."""
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    if math.isinf(spec.rate):
+        arrivals = np.zeros(n)
+    elif spec.arrival == "poisson":
+        arrivals = np.cumsum(rng.exponential(1.0 / spec.rate, size=n))
+    else:
+        shape = spec.burstiness
+        arrivals = np.cumsum(rng.gamma(shape, 1.0 / (spec.rate * shape), size=n))
+    weights = np.asarray(spec.client_weights or [1.0] * spec.num_clients, dtype=float)
+    clients = rng.choice(spec.num_clients, size=n, p=weights / weights.sum())
+    scale = np.asarray(spec.client_length_scale or [1.0] * spec.num_clients, dtype=float)[clients]
+    prompt_lens = np.maximum(np.rint(spec.prompt_len.sample(rng, n) * scale), 1).astype(np.int64)
+    output_lens = np.maximum(np.rint(spec.output_len.sample(rng, n) * scale), 1).astype(np.int64)
+    priorities = rng.integers(0, spec.num_priorities, size=n)
+    groups = rng.integers(0, max(spec.num_prefix_groups, 1), size=n)
+    prefixes = [rng.integers(0, spec.vocab_size, size=spec.prefix_len).tolist()
+                for _ in range(spec.num_prefix_groups)]
+    tokens = rng.integers(0, spec.vocab_size, size=int(prompt_lens.sum())).tolist()
+    out, start = [], 0
+    for i in range(n):
+        end = start + int(prompt_lens[i])
+        prompt = (prefixes[groups[i]] + tokens[start:end]) if prefixes else tokens[start:end]
+        start = end
+        out.append(TraceRequest(f"req-{i}", float(arrivals[i]), prompt, int(output_lens[i]),
+                                f"client-{clients[i]}", int(priorities[i])))
+    return out
+
+
+def load_trace_csv(path: str | Path, *, rate: float | None = None, seed: int = 0,
+                   vocab_size: int = 32000) -> list[TraceRequest]:
+    """Read a trace: one request per row, a header naming the columns.
+
+    Required: ``prompt_len`` (or ``input_len``) and ``output_len``. Optional:
+    ``arrival_time`` (seconds; without it arrivals are Poisson at ``rate``),
+    ``client_id``, ``priority``, ``prefix_group`` and ``prefix_len`` (rows with
+    the same group share their first ``prefix_len`` tokens). Token ids are
+    random (seeded): a trace gives lengths, not content.
+    """
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"trace {path} has no rows")
+    prompt_col = "prompt_len" if "prompt_len" in rows[0] else "input_len"
+    for col in (prompt_col, "output_len"):
+        if col not in rows[0]:
+            raise ValueError(f"trace {path} lacks a {col!r} column (has {sorted(rows[0])})")
+    rng = np.random.default_rng(seed)
+    has_arrival = "arrival_time" in rows[0]
+    if not has_arrival:
+        if rate is None:
+            raise ValueError(f"trace {path} has no arrival_time column; pass rate= to draw Poisson arrivals")
+        gaps = rng.exponential(1.0 / rate, size=len(rows)) if not math.isinf(rate) else np.zeros(len(rows))
+        arrivals = np.cumsum(gaps)
+    group_prefix: dict[str, list[int]] = {}
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            prompt_len, output_len = int(row[prompt_col]), int(row["output_len"])
+        except ValueError:
+            raise ValueError(f"trace {path} row {i + 2}: lengths must be integers, got {row}") from None
+        if prompt_len < 1 or output_len < 1:
+            raise ValueError(f"trace {path} row {i + 2}: lengths must be >= 1, got {row}")
+        prompt = rng.integers(0, vocab_size, size=prompt_len).tolist()
+        group = row.get("prefix_group") or ""
+        if group:
+            plen = min(int(row.get("prefix_len") or 0), prompt_len)
+            shared = group_prefix.setdefault(group, [])
+            if len(shared) < plen:
+                shared.extend(rng.integers(0, vocab_size, size=plen - len(shared)).tolist())
+            prompt[:plen] = shared[:plen]
+        arrival = float(row["arrival_time"]) if has_arrival else float(arrivals[i])
+        out.append(TraceRequest(f"req-{i}", arrival, prompt, output_len, row.get("client_id") or "default",
+                                int(row.get("priority") or 0)))
+    out.sort(key=lambda r: r.arrival_time)
+    return out
