@@ -12,9 +12,21 @@ with the same signature, tests holding one to the other, and a benchmark:
 - :mod:`servelab.scheduling`  requests, scheduler, policies, simulator.
 - :mod:`servelab.samplers`    sampling parameters, sampler, spec-decode verifiers.
 - :mod:`servelab.models`      Llama-family model loading HF checkpoints.
+- :mod:`servelab.pipeline`    ``Pipeline``: model runner, detokenizer, metrics.
 
 Importing ``servelab`` is cheap: subpackages are imported on first use, and
 nothing here imports Triton (which is Linux-only).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Pipeline", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import servelab`` stays cheap; the pipeline (torch, models) loads on first use.
+    if name == "Pipeline":
+        from servelab.pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'servelab' has no attribute {name!r}")

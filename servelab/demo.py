@@ -158,3 +158,55 @@ def plot_block_demo(result: BlockDemoResult, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---- the full pipeline ---------------------------------------------------
+
+DEMO_SYSTEM_PROMPTS = [
+    "You are a careful assistant for a bakery. Answer briefly and politely.",
+    "You explain how serving engines schedule requests, cache keys and values, and verify drafts.",
+    "Translate the user's sentence into plain English and keep the numbers exactly as given.",
+]
+DEMO_QUESTIONS = [
+    "What is a block table?", "When does the oven open?", "Why preempt a request?", "How many rolls are left?",
+    "What does prefix caching save?", "Say the numbers 3, 14 and 15.", "What is a draft token?",
+    "Which request runs first?", "Describe the free queue.", "What is the last token for?",
+]
+
+
+def default_demo_model(root: Path) -> Path:
+    """The embedded tiny Llama checkpoint (random weights, local tokenizer), built once under ``root``."""
+    from servelab.models import build_tiny_model
+
+    path = root / "tiny-llama"
+    if not (path / "config.json").exists():
+        build_tiny_model(path, arch="llama", seed=0)
+    return path
+
+
+def run_pipeline_demo(model: Path, out: Path, num_requests: int = 48, max_tokens: int = 32,
+                      num_speculative_tokens: int = 2, attention_backend: str = "torch", num_blocks: int = 48,
+                      seed: int = 0):
+    """Serve a chat-shaped workload (shared system prompts, mixed greedy and
+    seeded sampling, n-gram speculation) through the Pipeline; return its
+    ``RunMetrics``, the report figure's path and the outputs. The KV pool is
+    kept small (``num_blocks``) so prefix caching, eviction and preemption
+    all show up."""
+    from servelab import Pipeline
+    from servelab.pipeline.report import plot_report
+    from servelab.samplers import SamplingParams
+
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(num_requests):
+        prompts.append(f"{rng.choice(DEMO_SYSTEM_PROMPTS)}\nUser: {rng.choice(DEMO_QUESTIONS)}\nAssistant:")
+        greedy = i % 2 == 0
+        params.append(SamplingParams(temperature=0.0 if greedy else 0.8, top_p=1.0 if greedy else 0.95,
+                                     max_tokens=rng.randint(max_tokens // 2, max_tokens), seed=None if greedy else i))
+    pipe = Pipeline.from_pretrained(model, attention_backend=attention_backend, drafter="ngram",
+                                    num_speculative_tokens=num_speculative_tokens, max_num_seqs=16,
+                                    max_num_batched_tokens=256, num_blocks=num_blocks, seed=seed)
+    outputs = pipe.generate(prompts, params)
+    metrics = pipe.last_run_metrics
+    figure = plot_report(metrics, out / "pipeline_report.png", title=f"servelab demo: {model.name}")
+    return metrics, figure, outputs

@@ -61,3 +61,17 @@ class StepCostModel:
                     best, best_err = np.zeros(3), err
                     best[list(cols)] = coef
         return cls(float(best[0]), float(best[1]), float(best[2]))
+
+    @classmethod
+    def from_run(cls, run_metrics) -> StepCostModel:
+        """Fit to a pipeline run's measured steps: ``run_metrics`` is a
+        :class:`servelab.pipeline.RunMetrics` (its ``scheduled_tokens``,
+        ``kv_tokens`` and ``step_times``), so the simulator can replay a
+        workload at the speed of the model that was measured."""
+        try:
+            steps = list(zip(run_metrics.scheduled_tokens, run_metrics.kv_tokens, run_metrics.step_times))
+        except AttributeError:
+            raise TypeError(f"run_metrics must be a pipeline RunMetrics, got {type(run_metrics).__name__}") from None
+        if len(steps) < 3:
+            raise ValueError(f"run_metrics has {len(steps)} steps; fitting needs at least 3")
+        return cls.fit(steps)

@@ -1,0 +1,367 @@
+"""The model runner: one ``SchedulerOutput`` in, one ``ModelRunnerOutput`` out.
+
+State that persists across steps (the "persistent batch", as in vLLM v1's
+``InputBatch``), updated incrementally from each ``SchedulerOutput``:
+
+- per request a :class:`CachedRequestState`: its token ids (prompt + output,
+  no drafts), sampling params, prompt length, and its row in
+- one block table ``[max_reqs, max_blocks_per_req]`` int32, whose rows are
+  appended to as the scheduler hands out blocks (new blocks only), replaced
+  when a preempted request resumes, and recycled when a request ends. (A
+  sliding window's released blocks stay in the row: ``SchedulerOutput`` does
+  not report releases, and the window mask never reads those positions.)
+
+Each step then builds, vectorised over the batch (numpy on the host):
+
+- ``input_ids`` int64 ``[T]``: token ``p`` of each request for its scheduled
+  positions ``c .. c+n-1``, drafts past the known tokens;
+- ``positions`` int64 ``[T]``; ``slot_mapping`` int64 ``[T]`` =
+  ``row[p // block_size] * block_size + p % block_size``;
+- ``block_table`` int32 ``[B, max_blocks_this_step]`` (rows of the persistent
+  table), ``seq_lens = c + n``, ``query_start_loc`` int32 ``[B + 1]``.
+
+Logits are computed only where a token is sampled: the last scheduled
+position of each request whose computation reaches its last known token (a
+chunked prefill still short of the end samples nothing), or, when drafts are
+being verified, the position before each draft and the bonus position.
+
+Sampling: requests without drafts go through ``Sampler.forward`` with a
+``SamplingMetadata`` built for this step. Requests with drafts are verified
+by ``rejection_sample`` against ``Sampler.compute_probs`` (one metadata row per
+verified position, the history extended by the drafts before it, so penalties
+and min_tokens see what each position would have seen); greedy requests are
+verified greedily. Then the drafter proposes the next drafts from the new
+history, and everything goes back to the scheduler as ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from servelab.models import AttentionMetadata
+from servelab.pipeline.drafting import DraftRequest
+from servelab.reference._sampling_noise import seeded_generator
+from servelab.samplers import Drafter, Sampler, SamplingMetadata, SamplingParams, rejection_sample
+from servelab.scheduling import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner remembers about one request between steps."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt + output tokens the scheduler knows (drafts excluded)."""
+    num_prompt_tokens: int
+    params: SamplingParams
+    row: int = -1
+    """Row of the persistent block table; -1 while preempted."""
+    num_blocks: int = 0
+    draft_probs: torch.Tensor | None = None
+    """Draft distributions ``[k, draft_vocab]`` of the drafts proposed last step (draft model)."""
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class ModelRunner:
+    """Runs the model for the scheduler.
+
+    Args:
+        model: a :class:`servelab.models.LlamaForCausalLM` (any object with its
+            ``forward``, ``compute_logits``, ``config.vocab_size``, ``device``).
+        kv_caches: the paged caches, per layer ``(key_cache, value_cache)``
+            (or :class:`~servelab.blocks.KVCacheBuffers`).
+        block_size: tokens per block (the KV cache manager's).
+        max_model_len: longest sequence; sizes block-table rows.
+        sampler: default ``Sampler()``.
+        drafter: None, or a ``Drafter``; a drafter with ``propose_for_requests``
+            and ``release`` (the draft model) gets request ids and batching.
+        num_speculative_tokens: drafts proposed per request and step.
+        max_num_reqs: initial block-table rows (grows when needed).
+        eos_token_id: the model's EOS (for min_tokens masking).
+    """
+
+    def __init__(self, model: Any, kv_caches: Any, block_size: int, *, max_model_len: int,
+                 sampler: Sampler | None = None, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
+                 max_num_reqs: int = 64, eos_token_id: int | None = None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.sampler = sampler if sampler is not None else Sampler()
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.eos_token_id = eos_token_id
+        self.vocab_size: int = model.config.vocab_size
+        self.device = model.device
+        self.block_table = torch.zeros((max(max_num_reqs, 1), -(-max_model_len // block_size)), dtype=torch.int32)
+        self._bt = self.block_table.numpy()  # shares memory: numpy writes, torch reads
+        self._free_rows = list(range(self.block_table.shape[0] - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.last_verification: list[tuple[int, int]] = []
+        """(drafts verified, drafts accepted) per request verified in the last step."""
+
+    # ---- persistent state -------------------------------------------------
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self.block_table
+            self.block_table = torch.zeros((2 * old.shape[0], old.shape[1]), dtype=torch.int32)
+            self.block_table[: old.shape[0]] = old
+            self._bt = self.block_table.numpy()
+            self._free_rows = list(range(2 * old.shape[0] - 1, old.shape[0] - 1, -1))
+        return self._free_rows.pop()
+
+    def _set_blocks(self, state: CachedRequestState, block_ids: Iterable[int], append: bool) -> None:
+        ids = list(block_ids)
+        start = state.num_blocks if append else 0
+        if start + len(ids) > self._bt.shape[1]:
+            grown = torch.zeros((self._bt.shape[0], start + len(ids)), dtype=torch.int32)
+            grown[:, : self._bt.shape[1]] = self.block_table
+            self.block_table, self._bt = grown, grown.numpy()
+        if ids:
+            self._bt[state.row, start:start + len(ids)] = ids
+        state.num_blocks = start + len(ids)
+
+    def _detach(self, req_id: str) -> CachedRequestState | None:
+        """Free a request's row and draft state; keep what a resume needs."""
+        state = self.requests.get(req_id)
+        if state is not None and state.row >= 0:
+            self._free_rows.append(state.row)
+            state.row, state.num_blocks, state.draft_probs = -1, 0, None
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req_id)
+        return state
+
+    def remove_request(self, req_id: str) -> None:
+        """Forget a finished request (idempotent). The pipeline calls it as soon
+        as a request ends, so nothing lingers until the next step."""
+        self._detach(req_id)
+        self.requests.pop(req_id, None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.remove_request(rid)
+        for rid in so.preempted_req_ids:
+            self._detach(rid)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            eos = () if self.eos_token_id is None else (self.eos_token_id,)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), params,
+                                       stop_ids=frozenset(params.stop_token_ids) | (
+                                           frozenset() if params.ignore_eos else frozenset(eos)))
+            state.row = self._take_row()
+            self._set_blocks(state, new.block_ids, append=False)
+            self.requests[new.req_id] = state
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests[rid]
+            if cached.resumed[i]:
+                if state.row < 0:
+                    state.row = self._take_row()
+                state.token_ids = list(cached.resumed_token_ids[rid])
+                state.draft_probs = None
+                self._set_blocks(state, cached.new_block_ids[i], append=False)
+            elif cached.new_block_ids[i]:
+                self._set_blocks(state, cached.new_block_ids[i], append=True)
+
+    # ---- one step -------------------------------------------------------------
+
+    def _prepare(self, so: SchedulerOutput, batch: list[tuple[CachedRequestState, int, int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Model inputs for ``batch`` (state, computed, scheduled), and each request's end row (host list)."""
+        spec = so.scheduled_spec_decode_tokens
+        ids: list[int] = []
+        num = len(batch)
+        rows = np.empty(num, np.int64)
+        ctx = np.empty(num, np.int64)
+        qlen = np.empty(num, np.int64)
+        for i, (state, c, n) in enumerate(batch):
+            toks = state.token_ids
+            end = c + n
+            if end <= len(toks):
+                ids += toks[c:end]
+            else:  # past the known tokens: the drafts being verified
+                ids += toks[c:]
+                ids += spec[state.req_id][: end - len(toks)]
+            rows[i], ctx[i], qlen[i] = state.row, c, n
+        qsl = np.zeros(num + 1, np.int64)
+        np.cumsum(qlen, out=qsl[1:])
+        seq = np.repeat(np.arange(num), qlen)
+        positions = np.arange(qsl[-1]) - qsl[:-1][seq] + ctx[seq]
+        bs = self.block_size
+        slots = self._bt[rows[seq], positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = ctx + qlen
+        width = int(-(-seq_lens.max() // bs))
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots),
+            block_table=self.block_table[torch.from_numpy(rows)][:, :width],
+            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+            query_start_loc=torch.from_numpy(qsl).to(torch.int32),
+        )
+        if device.type != "cpu":
+            meta = meta.to(device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        return input_ids, torch.from_numpy(positions).to(device), meta, qsl[1:].tolist()
+
+    def _metadata(self, states: list[CachedRequestState], outputs: list[list[int]]) -> SamplingMetadata:
+        # Prompts only matter to penalties; skipping them otherwise saves a
+        # per-token validation pass over every prompt every step.
+        penalties = any(s.params.uses_penalties for s in states)
+        prompts = [s.token_ids[: s.num_prompt_tokens] if penalties else () for s in states]
+        return SamplingMetadata.from_requests([s.params for s in states], prompts, outputs, self.vocab_size,
+                                              self.device, eos_token_id=self.eos_token_id)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; see the module docstring."""
+        self._update_states(so)
+        self.last_verification = []
+        if so.is_empty():
+            return ModelRunnerOutput([], [])
+        spec = so.scheduled_spec_decode_tokens
+        batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
+        input_ids, positions, meta, ends = self._prepare(so, batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        # Which rows to sample: plain requests their last row, verified ones
+        # the row before each draft plus the bonus row.
+        plain: list[int] = []
+        verify: list[tuple[int, int]] = []  # (batch index, number of drafts)
+        for i, (state, c, n) in enumerate(batch):
+            known = len(state.token_ids)
+            if c + n < known:
+                continue  # chunked prefill short of the end: nothing to sample
+            d = c + n - known
+            if d != len(spec.get(state.req_id, ())):
+                raise RuntimeError(f"runner and scheduler disagree on request {state.req_id!r}: {d} positions past "
+                                   f"its {known} tokens but {len(spec.get(state.req_id, ()))} drafts scheduled")
+            if d:
+                verify.append((i, d))
+            else:
+                plain.append(i)
+        sampled: list[list[int]] = [[] for _ in batch]
+        logprobs: list[Any] = [None] * len(batch)
+        if plain or verify:
+            rows = [ends[i] - 1 for i in plain] + [r for i, d in verify for r in range(ends[i] - d - 1, ends[i])]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # fp32 [R, V]
+            if plain:
+                self._sample_plain(batch, plain, logits[: len(plain)], sampled, logprobs)
+            if verify:
+                self._verify(batch, verify, logits[len(plain):], spec, sampled, logprobs)
+
+        req_ids = [state.req_id for state, _, _ in batch]
+        for (state, _, _), toks in zip(batch, sampled):
+            state.token_ids.extend(toks)
+        spec_out = self._propose(batch, sampled) if self.num_speculative_tokens else None
+        any_logprobs = any(lp is not None for lp in logprobs)
+        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs if any_logprobs else None)
+
+    def _sample_plain(self, batch, plain: list[int], logits: torch.Tensor, sampled: list[list[int]],
+                      logprobs: list[Any]) -> None:
+        states = [batch[i][0] for i in plain]
+        metadata = self._metadata(states, [s.token_ids[s.num_prompt_tokens:] for s in states])
+        out = self.sampler.forward(logits, metadata)
+        for row, token in enumerate(out.sampled_token_ids.tolist()):
+            sampled[plain[row]] = [token]
+        if out.logprobs is not None:
+            for row, state in enumerate(states):
+                if state.params.logprobs is not None:
+                    logprobs[plain[row]] = [out.logprobs.for_request(row, state.params.logprobs)]
+
+    def _verify(self, batch, verify: list[tuple[int, int]], logits: torch.Tensor, spec: dict[str, list[int]],
+                sampled: list[list[int]], logprobs: list[Any]) -> None:
+        """Rejection-sample each request's drafts; ``logits`` fp32 ``[sum(d + 1), V]``, request-contiguous."""
+        row_states, row_outputs = [], []
+        drafts_flat: list[int] = []
+        num_drafts: list[int] = []
+        for i, d in verify:
+            state = batch[i][0]
+            drafts = spec[state.req_id][:d]
+            history = state.token_ids[state.num_prompt_tokens:]
+            for j in range(d + 1):  # position j has seen the first j drafts
+                row_states.append(state)
+                row_outputs.append(history + drafts[:j])
+            drafts_flat += drafts
+            num_drafts.append(d)
+        metadata = self._metadata(row_states, row_outputs)
+        target_probs = self.sampler.compute_probs(logits, metadata)
+        states = [batch[i][0] for i, _ in verify]
+        draft_probs = None
+        if any(s.draft_probs is not None for s in states):
+            parts = []
+            for s, d, (i, _) in zip(states, num_drafts, verify):
+                ids = torch.tensor(spec[s.req_id][:d], device=target_probs.device)
+                if s.draft_probs is None or s.draft_probs.shape[0] < d:
+                    parts.append(torch.nn.functional.one_hot(ids, self.vocab_size).float())
+                else:
+                    q = s.draft_probs[:d].to(target_probs.device, torch.float32)
+                    if q.shape[1] < self.vocab_size:  # a draft vocab may be a prefix of the target's
+                        q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
+                    parts.append(q)
+            draft_probs = torch.cat(parts)
+        generators = [
+            seeded_generator(s.params.seed, len(s.token_ids) - s.num_prompt_tokens, target_probs.device)
+            if s.params.seed is not None and not s.params.is_greedy else None
+            for s in states
+        ]
+        out = rejection_sample(
+            torch.tensor(drafts_flat, dtype=torch.int64, device=target_probs.device), num_drafts, target_probs,
+            draft_probs, greedy=torch.tensor([s.params.is_greedy for s in states], device=target_probs.device),
+            generator=generators,
+        ).tolist()
+        raw = None
+        first_row = 0
+        for (i, d), row in zip(verify, out):
+            state = batch[i][0]
+            toks = [t for t in row if t >= 0]
+            sampled[i] = toks
+            self.last_verification.append((d, len(toks) - 1))
+            state.draft_probs = None
+            n = state.params.logprobs
+            if n is not None:  # emitted token j came from logits row j: logprobs of the raw distribution
+                if raw is None:
+                    raw = torch.log_softmax(logits.float(), dim=-1)
+                rows = raw[first_row:first_row + len(toks)]
+                picked = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0].tolist()
+                top = rows.topk(n, dim=-1) if n else None
+                logprobs[i] = [[(t, lp)] + (list(zip(top.indices[j].tolist(), top.values[j].tolist())) if n else [])
+                               for j, (t, lp) in enumerate(zip(toks, picked))]
+            first_row += d + 1
+
+    def _propose(self, batch, sampled: list[list[int]]) -> list[list[int]]:
+        """Next drafts for every request that just got tokens and goes on."""
+        k_max = self.num_speculative_tokens
+        asks: list[tuple[int, CachedRequestState, int]] = []
+        for i, ((state, _, _), toks) in enumerate(zip(batch, sampled)):
+            if not toks:
+                continue
+            num_out = len(state.token_ids) - state.num_prompt_tokens
+            if toks[-1] in state.stop_ids and num_out >= state.params.min_tokens:
+                continue  # it stops here
+            # Drafts the scheduler could never use: past max_model_len, or past
+            # max_tokens (verification emits accepted drafts + 1).
+            k = min(k_max, self.max_model_len - len(state.token_ids))
+            if state.params.max_tokens is not None:
+                k = min(k, state.params.max_tokens - num_out - 1)
+            if k > 0:
+                asks.append((i, state, k))
+        spec_out: list[list[int]] = [[] for _ in batch]
+        if not asks:
+            return spec_out
+        drafter = self.drafter
+        if hasattr(drafter, "propose_for_requests"):
+            proposals = drafter.propose_for_requests([
+                DraftRequest(s.req_id, s.token_ids, k, s.params) for _, s, k in asks])
+        else:
+            proposals = [drafter.propose_with_probs(s.token_ids, k) for _, s, k in asks]
+        for (i, state, k), proposal in zip(asks, proposals):
+            spec_out[i] = list(proposal.token_ids[:k])
+            state.draft_probs = proposal.probs
+        return spec_out
