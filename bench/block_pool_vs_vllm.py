@@ -42,11 +42,8 @@ def best_ops_per_s(cycle: Callable[[], None], iters: int, repeats: int = 5) -> f
     return iters / best
 
 
-def bench_servelab() -> dict[str, float]:
-    from servelab.blocks import BlockPool, TokenSequence
-
-    pool = BlockPool(NUM_BLOCKS)
-    out = {}
+def bench_alloc_free(pool) -> dict[str, float]:
+    """The two allocation cycles; both pools share these method names."""
 
     def alloc1():
         pool.free_blocks(pool.get_new_blocks(1))
@@ -54,8 +51,14 @@ def bench_servelab() -> dict[str, float]:
     def alloc16():
         pool.free_blocks(reversed(pool.get_new_blocks(16)))
 
-    out["alloc1+free"] = best_ops_per_s(alloc1, 20000)
-    out["alloc16+free"] = best_ops_per_s(alloc16, 5000)
+    return {"alloc1+free": best_ops_per_s(alloc1, 20000), "alloc16+free": best_ops_per_s(alloc16, 5000)}
+
+
+def bench_servelab() -> dict[str, float]:
+    from servelab.blocks import BlockPool, TokenSequence
+
+    pool = BlockPool(NUM_BLOCKS)
+    out = bench_alloc_free(pool)
 
     req = TokenSequence("r", list(range(HIT_BLOCKS * BLOCK_SIZE)), BLOCK_SIZE)
     blocks = pool.get_new_blocks(HIT_BLOCKS)
@@ -81,16 +84,7 @@ def bench_vllm() -> dict[str, float]:
 
     init_none_hash(sha256)
     pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
-    out = {}
-
-    def alloc1():
-        pool.free_blocks(pool.get_new_blocks(1))
-
-    def alloc16():
-        pool.free_blocks(reversed(pool.get_new_blocks(16)))
-
-    out["alloc1+free"] = best_ops_per_s(alloc1, 20000)
-    out["alloc16+free"] = best_ops_per_s(alloc16, 5000)
+    out = bench_alloc_free(pool)
 
     req = Request("r", list(range(HIT_BLOCKS * BLOCK_SIZE)), SamplingParams(max_tokens=1), None,
                   block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))

@@ -226,6 +226,28 @@ class TorchAttentionBackend(AttentionBackend):
         return merge_attn_states(*args, **kwargs)
 
 
+class SdpaAttentionBackend(TorchAttentionBackend):
+    """Paged attention as one batched ``scaled_dot_product_attention`` call
+    (:mod:`servelab.sdpa_attention`): the fast choice on a CPU. The cache write
+    and state merge are the references'. No softcap, no LSE."""
+
+    name = "sdpa"
+    capabilities = AttentionCapabilities(
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        max_head_size=None,
+        block_sizes=(1, None),
+        device_types=("cpu", "cuda", "mps", "xpu"),
+        features=frozenset({"causal", "sliding_window", "gqa"}),
+    )
+
+    def _paged_attention(self, *args, **kwargs):
+        if kwargs.get("return_lse"):
+            raise UnsupportedInputError(f"backend {self.name!r} does not implement return_lse")
+        from servelab.sdpa_attention import paged_attention
+
+        return paged_attention(*args, **kwargs)
+
+
 def _triton_installed() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
@@ -305,6 +327,7 @@ class TritonAttentionBackend(AttentionBackend):
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
     "triton": TritonAttentionBackend,
     "torch": TorchAttentionBackend,
+    "sdpa": SdpaAttentionBackend,
 }
 
 

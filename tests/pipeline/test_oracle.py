@@ -58,6 +58,9 @@ VARIANTS = {
     "ngram_k3": dict(drafter="ngram", num_speculative_tokens=3),
     "draft_model_k3": dict(drafter="draft", num_speculative_tokens=3),
     "draft_model_k2_preemption": dict(drafter="draft", num_speculative_tokens=2, block_size=4, num_blocks=20),
+    "sdpa_backend": dict(attention_backend="sdpa"),
+    "sdpa_backend_chunked_preemption": dict(attention_backend="sdpa", block_size=4, num_blocks=18,
+                                            max_num_batched_tokens=7),
 }
 
 

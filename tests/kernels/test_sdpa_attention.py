@@ -1,0 +1,70 @@
+"""The "sdpa" backend (one batched SDPA call) against the reference."""
+
+import pytest
+import torch
+from attention_cases import CACHE_LAYOUTS, TOLERANCES, as_float64, build_case, sequence_shapes
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from servelab.backends import UnsupportedInputError, get_attention_backend
+from servelab.reference import paged_attention as reference_attention
+from servelab.sdpa_attention import paged_attention as sdpa_attention
+
+HEAD_LAYOUTS = [(1, 1), (4, 2), (6, 3), (8, 1), (5, 1), (16, 2)]
+
+
+@st.composite
+def problems(draw, dtypes=(torch.float32, torch.float16, torch.bfloat16)):
+    block_size = draw(st.sampled_from([1, 4, 8, 16]))
+    query_lens, seq_lens = draw(sequence_shapes(block_size, max_seqs=5, max_blocks=4))
+    num_q_heads, num_kv_heads = draw(st.sampled_from(HEAD_LAYOUTS))
+    longest = max(seq_lens)
+    window = draw(st.sampled_from([None, None, 1, 2, block_size, longest - 1, longest + 5]))
+    options = dict(causal=draw(st.sampled_from([True, True, False])),
+                   sliding_window=None if window is not None and window < 1 else window,
+                   scale=draw(st.sampled_from([None, 0.3])))
+    case = build_case(query_lens, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                      head_size=draw(st.sampled_from([8, 16, 80])), block_size=block_size,
+                      dtype=draw(st.sampled_from(dtypes)), layout=draw(st.sampled_from(CACHE_LAYOUTS)),
+                      seed=draw(st.integers(0, 2**16)), table_padding=draw(st.integers(0, 2)))
+    return case, options
+
+
+@settings(max_examples=150)
+@given(problem=problems())
+def test_sdpa_matches_reference(problem):
+    case, options = problem
+    note(case.describe())
+    note(str(options))
+    expected = reference_attention(*case.args(), **options)
+    out = torch.full_like(case.query, float("nan"))  # poisoned: every row must be written
+    actual = sdpa_attention(*case.args(), out=out, **options)
+    assert actual is out and not torch.isnan(actual).any()
+    rtol, atol = TOLERANCES[case.query.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@settings(max_examples=40)
+@given(problem=problems(dtypes=(torch.float32,)))
+def test_sdpa_matches_reference_in_float64(problem):
+    case, options = problem
+    case64 = as_float64(case)
+    expected = reference_attention(*case64.args(), **options)
+    actual = sdpa_attention(*case64.args(), **options)
+    assert actual.dtype == torch.float64
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_sdpa_backend_declares_what_it_cannot_do():
+    backend = get_attention_backend("sdpa")
+    case = build_case([3], [7], num_q_heads=2, num_kv_heads=1, head_size=8, block_size=4, dtype=torch.float32)
+    assert backend.supports(case.query, case.key_cache, softcap=5.0) == "backend 'sdpa' does not implement softcap"
+    assert backend.supports(case.query, case.key_cache, sliding_window=3) is None
+    with pytest.raises(UnsupportedInputError, match="softcap"):
+        backend.paged_attention(*case.args(), softcap=5.0)
+    with pytest.raises(UnsupportedInputError, match="return_lse"):
+        backend.paged_attention(*case.args(), return_lse=True)
+    with pytest.raises(ValueError, match="softcap"):
+        sdpa_attention(*case.args(), softcap=5.0)
+    empty = build_case([0], [0], num_q_heads=2, num_kv_heads=1, head_size=8, block_size=4, dtype=torch.float32)
+    assert sdpa_attention(*empty.args()).shape == (0, 2, 8)
