@@ -170,12 +170,17 @@ class KVCacheManager:
             The newly allocated blocks (possibly empty), or None if they don't
             fit — in which case nothing changed.
         """
-        _nonneg_int(num_new_tokens, "num_new_tokens")
-        _nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
-        _nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
+        # This runs once per running request per step: checks are inlined for
+        # the common case and fall back to the helpers for the error message.
+        if type(num_new_tokens) is not int or num_new_tokens < 0:
+            _nonneg_int(num_new_tokens, "num_new_tokens")
+        if type(num_new_computed_tokens) is not int or num_new_computed_tokens < 0:
+            _nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
+            _nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
-        new_computed_blocks = list(new_computed_blocks or ())
+        new_computed_blocks = list(new_computed_blocks) if new_computed_blocks else []
         if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens} must equal "
@@ -186,51 +191,57 @@ class KVCacheManager:
                 f"new_computed_blocks given for request {request_id!r}, which already holds "
                 f"{len(held)} blocks; prefix hits apply on admission only"
             )
-        num_computed = _nonneg_int(request.num_computed_tokens, "request.num_computed_tokens")
-        num_computed += num_new_computed_tokens
-        num_real_tokens = num_computed + num_new_tokens
-        if self.max_model_len is not None and num_real_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r} would reach {num_real_tokens} tokens, over "
-                f"max_model_len={self.max_model_len}"
-            )
+        request_computed = request.num_computed_tokens
+        if type(request_computed) is not int or request_computed < 0:
+            _nonneg_int(request_computed, "request.num_computed_tokens")
+        num_real_tokens = request_computed + num_new_computed_tokens + num_new_tokens
         num_slots = num_real_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
+            if num_real_tokens > self.max_model_len:
+                raise ValueError(
+                    f"request {request_id!r} would reach {num_real_tokens} tokens, over "
+                    f"max_model_len={self.max_model_len}"
+                )
             num_slots = min(num_slots, self.max_model_len)
 
+        manager = self._manager
         if held is None:
             held = []
-        elif not new_computed_blocks:
+        elif not new_computed_blocks and manager.releases_blocks:
             # Free out-of-window blocks first, so they count as free below.
-            released = self._manager.release_skipped_blocks(held, request.num_computed_tokens)
-            self.block_pool.free_blocks(released)
+            released = manager.release_skipped_blocks(held, request_computed)
+            if released:
+                self.block_pool.free_blocks(released)
 
-        num_to_allocate = max(
-            self._manager.num_required_blocks(num_slots) - len(held) - len(new_computed_blocks), 0
-        )
-        # Hit blocks sitting in the free queue leave it when touched.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        budget = self.block_pool.num_free_blocks
-        if not held and self.req_to_blocks.keys() - {request_id}:
-            budget -= self.watermark_blocks
-        if num_to_allocate + num_revived > budget:
-            return None
-
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            held.extend(new_computed_blocks)
-            self._num_cached_blocks[request_id] = len(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
-        held.extend(new_blocks)
+        num_to_allocate = manager.num_required_blocks(num_slots) - len(held) - len(new_computed_blocks)
+        if num_to_allocate > 0 or new_computed_blocks or not held:
+            # Hit blocks sitting in the free queue leave it when touched.
+            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+            budget = self.block_pool.num_free_blocks
+            if not held and self.req_to_blocks.keys() - {request_id}:
+                budget -= self.watermark_blocks
+            if max(num_to_allocate, 0) + num_revived > budget:
+                return None
+            if new_computed_blocks:
+                self.block_pool.touch(new_computed_blocks)
+                held.extend(new_computed_blocks)
+                self._num_cached_blocks[request_id] = len(new_computed_blocks)
+        if num_to_allocate > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
+            held.extend(new_blocks)
+        else:
+            new_blocks = []
         self.req_to_blocks[request_id] = held
 
         if self.enable_caching:
-            hashes = request.block_hashes
-            num_full = min(min(num_real_tokens, request.num_tokens) // self.block_size, len(hashes))
+            num_full = min(num_real_tokens, request.num_tokens) // self.block_size
             num_cached = self._num_cached_blocks.get(request_id, 0)
             if num_full > num_cached:
-                self.block_pool.cache_full_blocks(held, hashes, num_cached, num_full)
-                self._num_cached_blocks[request_id] = num_full
+                hashes = request.block_hashes
+                num_full = min(num_full, len(hashes))
+                if num_full > num_cached:
+                    self.block_pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                    self._num_cached_blocks[request_id] = num_full
         return new_blocks
 
     def free(self, request: KVCacheRequest | str) -> None:

@@ -64,6 +64,9 @@ class SingleTypeManager:
     supports_prefix_caching: bool = True
     #: Why not, when ``supports_prefix_caching`` is False.
     no_prefix_caching_reason: str = ""
+    #: Whether ``release_skipped_blocks`` can ever release anything (lets the
+    #: manager skip the call on the per-step hot path).
+    releases_blocks: bool = False
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool) -> None:
         self.spec = spec
@@ -106,6 +109,8 @@ class SlidingWindowManager(SingleTypeManager):
     """Position p sees keys j with p - j < window. A prefix of length L is
     reusable if the blocks covering its last ``window - 1`` tokens are cached;
     earlier blocks may be missing (null)."""
+
+    releases_blocks = True
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
         max_blocks = min(max_length // self.block_size, len(block_hashes))
