@@ -52,6 +52,28 @@ def num_blocks_for(num_requests: int, prompt_len: int, output_len: int) -> int:
     return num_requests * (-(-(prompt_len + output_len) // BLOCK_SIZE) + 1) + 64
 
 
+def drive(sched, make_output) -> dict:
+    """Run ``sched`` to completion with a fake model (one token per request
+    whose prefill reached its end); time only ``schedule`` and
+    ``update_from_output``. Both schedulers share these method names;
+    ``make_output(ids, sampled)`` builds each one's own ``ModelRunnerOutput``."""
+    steps, elapsed, max_running = 0, 0.0, 0
+    requests = sched.requests
+    while sched.has_unfinished_requests():
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        t1 = time.perf_counter()
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
+        model_out = make_output(ids, sampled)
+        max_running = max(max_running, len(ids))
+        t2 = time.perf_counter()
+        sched.update_from_output(out, model_out)
+        elapsed += (t1 - t0) + (time.perf_counter() - t2)
+        steps += 1
+    return {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed, "max_batch": max_running}
+
+
 def bench_servelab(num_requests: int, prompt_len: int, output_len: int, repeats: int) -> dict:
     from servelab.blocks import FullAttentionSpec, KVCacheManager
     from servelab.samplers.params import SamplingParams
@@ -68,21 +90,7 @@ def bench_servelab(num_requests: int, prompt_len: int, output_len: int, repeats:
         sched = Scheduler(config, kv, "fcfs")
         for i, p in enumerate(prompts):
             sched.add_request(Request(f"r{i}", p, params, eos_token_id=2, arrival_time=0.0))
-        steps, elapsed, max_running = 0, 0.0, 0
-        requests = sched.requests
-        while sched.has_unfinished_requests():
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            t1 = time.perf_counter()
-            ids = list(out.num_scheduled_tokens)
-            sampled = [[TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
-            model_out = ModelRunnerOutput(ids, sampled)
-            max_running = max(max_running, len(ids))
-            t2 = time.perf_counter()
-            sched.update_from_output(out, model_out)
-            elapsed += (t1 - t0) + (time.perf_counter() - t2)
-            steps += 1
-        result = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed, "max_batch": max_running}
+        result = drive(sched, lambda ids, sampled: ModelRunnerOutput(ids, sampled))
         if best is None or result["steps_per_s"] > best["steps_per_s"]:
             best = result
     return best
@@ -123,22 +131,8 @@ def bench_vllm(num_requests: int, prompt_len: int, output_len: int, repeats: int
         for i, p in enumerate(prompts):
             sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=output_len), None, arrival_time=0.0,
                                       block_hasher=hasher))
-        steps, elapsed, max_running = 0, 0.0, 0
-        requests = sched.requests
-        while sched.has_unfinished_requests():
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            t1 = time.perf_counter()
-            ids = list(out.num_scheduled_tokens)
-            sampled = [[TOKEN] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in ids]
-            model_out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                          sampled_token_ids=sampled)
-            max_running = max(max_running, len(ids))
-            t2 = time.perf_counter()
-            sched.update_from_output(out, model_out)
-            elapsed += (t1 - t0) + (time.perf_counter() - t2)
-            steps += 1
-        result = {"steps": steps, "seconds": elapsed, "steps_per_s": steps / elapsed, "max_batch": max_running}
+        result = drive(sched, lambda ids, sampled: ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
         if best is None or result["steps_per_s"] > best["steps_per_s"]:
             best = result
     return best

@@ -10,6 +10,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Interpreter-backed examples take tens of milliseconds or more; a per-example
@@ -27,3 +29,14 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module on one torch thread, restoring the count afterwards. Tiny
+    models' matmuls gain nothing from threads, and on a shared 2-core runner
+    the thread pool's contention makes them several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -31,16 +31,9 @@ from collections.abc import Iterable, Sequence
 
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.hashing import BlockHash
+from servelab.blocks.specs import require_nonneg_int
 
 NULL_BLOCK_ID = 0
-
-
-def _check_count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
 
 
 class BlockPool:
@@ -83,7 +76,7 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks from the head of the free queue, evicting
         any cached content they hold; each comes back with ``ref_cnt == 1``."""
-        _check_count(num_blocks, "num_blocks")
+        require_nonneg_int(num_blocks, "num_blocks")
         if num_blocks > len(self.free_queue):
             raise ValueError(
                 f"num_blocks={num_blocks} exceeds the {len(self.free_queue)} free blocks; "
@@ -169,8 +162,8 @@ class BlockPool:
         blocks are skipped; a hash already indexed keeps its first block.
         """
         blocks = self._own(blocks, "blocks")
-        _check_count(num_cached_blocks, "num_cached_blocks")
-        _check_count(num_full_blocks, "num_full_blocks")
+        require_nonneg_int(num_cached_blocks, "num_cached_blocks")
+        require_nonneg_int(num_full_blocks, "num_full_blocks")
         if num_cached_blocks > num_full_blocks:
             raise ValueError(
                 f"num_cached_blocks={num_cached_blocks} must be <= num_full_blocks={num_full_blocks}"

@@ -28,7 +28,7 @@ from servelab.blocks.block_pool import BlockPool
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import manager_class_for
-from servelab.blocks.specs import KVCacheSpec
+from servelab.blocks.specs import KVCacheSpec, require_nonneg_int
 
 
 @dataclass
@@ -42,14 +42,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
-def _nonneg_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
 
 
 def _request_id(request: object) -> str:
@@ -137,7 +129,7 @@ class KVCacheManager:
         _request_id(request)
         if not self.enable_caching:
             return [], 0
-        num_tokens = _nonneg_int(request.num_tokens, "request.num_tokens")
+        num_tokens = require_nonneg_int(request.num_tokens, "request.num_tokens")
         blocks = self._manager.find_longest_cache_hit(request.block_hashes, max(num_tokens - 1, 0))
         num_hit = len(blocks) * self.block_size
         stats = self.prefix_cache_stats
@@ -173,11 +165,11 @@ class KVCacheManager:
         # This runs once per running request per step: checks are inlined for
         # the common case and fall back to the helpers for the error message.
         if type(num_new_tokens) is not int or num_new_tokens < 0:
-            _nonneg_int(num_new_tokens, "num_new_tokens")
+            require_nonneg_int(num_new_tokens, "num_new_tokens")
         if type(num_new_computed_tokens) is not int or num_new_computed_tokens < 0:
-            _nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
+            require_nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
-            _nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
+            require_nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
         new_computed_blocks = list(new_computed_blocks) if new_computed_blocks else []
@@ -193,7 +185,7 @@ class KVCacheManager:
             )
         request_computed = request.num_computed_tokens
         if type(request_computed) is not int or request_computed < 0:
-            _nonneg_int(request_computed, "request.num_computed_tokens")
+            require_nonneg_int(request_computed, "request.num_computed_tokens")
         num_real_tokens = request_computed + num_new_computed_tokens + num_new_tokens
         num_slots = num_real_tokens + num_lookahead_tokens
         if self.max_model_len is not None:

@@ -63,6 +63,15 @@ def _require_positive_int(obj: object, field: str) -> None:
         raise ValueError(f"{field}={value} must be a positive integer")
 
 
+def require_nonneg_int(value: object, name: str) -> int:
+    """``value`` if it is an int >= 0; else TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(a // -b)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -25,13 +24,8 @@ class Checkpoint:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core runner the
-    thread pool's contention made them 5-10x slower. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_models_run_on_one_thread(one_torch_thread):
+    """Every test here runs tiny models: see ``one_torch_thread``."""
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -14,13 +13,8 @@ from servelab.models import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads; on a shared 2-core runner the
-    thread pool's contention makes them several times slower. Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_models_run_on_one_thread(one_torch_thread):
+    """Every test here runs tiny models: see ``one_torch_thread``."""
 
 
 @pytest.fixture(scope="session")
