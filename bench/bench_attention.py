@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 from servelab import reference  # noqa: E402
 
+# Rows appended to bench/results/results.csv by bench/conftest.py.
+RESULTS_COMPONENT, RESULTS_IMPLEMENTATION = "attention", "reference"
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 
 
@@ -99,6 +101,7 @@ def test_interpreted_kernel_tiny(benchmark, num_splits):
     from servelab import kernels
 
     benchmark.group = "triton kernel under TRITON_INTERPRET=1 (tiny)"
+    benchmark.extra_info["implementation"] = "triton-interpreter"
     args = make_batch([1, 1, 4], [40, 70, 20], num_q_heads=4, num_kv_heads=2, head_size=32)
     benchmark.pedantic(kernels.paged_attention, args=args,
                        kwargs=dict(num_splits=num_splits, check_inputs=False), rounds=3, iterations=1)

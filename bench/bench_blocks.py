@@ -5,7 +5,7 @@
 Cycles mirror ``block_pool_vs_vllm.py``: single-block alloc+free, 16-block
 alloc+free, a 16-block prefix hit (lookup, touch, free), and one manager
 request life cycle (prefix lookup, allocate a 512-token prompt, 64 decode
-steps, free).
+steps, each committed with ``cache_blocks``, free).
 """
 
 import pytest
@@ -13,6 +13,8 @@ import pytest
 from servelab import reference
 from servelab.blocks import BlockPool, FullAttentionSpec, KVCacheManager, TokenSequence
 
+# Rows appended to bench/results/results.csv by bench/conftest.py (implementation = impl).
+RESULTS_COMPONENT = "blocks"
 IMPLS = {"fast": (BlockPool, KVCacheManager), "reference": (reference.BlockPool, reference.KVCacheManager)}
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
 
@@ -52,10 +54,12 @@ def test_manager_request_lifecycle(benchmark, impl):
         blocks, hit = manager.get_computed_blocks(req)
         manager.allocate_slots(req, req.num_tokens - hit, hit, blocks)
         req.num_computed_tokens = req.num_tokens
+        manager.cache_blocks(req, req.num_computed_tokens)  # commit after compute
         for t in range(64):
             req.append_token_ids([t])
             manager.allocate_slots(req, 1)
             req.num_computed_tokens += 1
+            manager.cache_blocks(req, req.num_computed_tokens)
         manager.free(req)
 
     benchmark(lifecycle)

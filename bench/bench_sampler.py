@@ -3,6 +3,10 @@
     pytest bench/bench_sampler.py --benchmark-only --benchmark-group-by=group
     python bench/bench_sampler.py            # table + bench/results/sampler_cpu.png
 
+Both modes append rows to ``bench/results/results.csv`` (component
+``sampler``): the pytest mode one time row per benchmark (``bench/conftest.py``),
+the script mode one ``rows_per_s`` row per grid point.
+
 The PyTorch path (what CPU users run) is timed at vocab 32k and 152k for
 batches 1-256 (the CPU grid stops at 64 for 152k: one [256, 152k] float32
 tensor is 155 MB and the reference sorts it). Each case is a typical random
@@ -36,6 +40,7 @@ VOCABS = {"32k": 32_000, "152k": 151_936}
 CPU_BATCHES = {"32k": [1, 8, 64, 256], "152k": [1, 8, 64]}
 TINY_VOCAB, TINY_BATCHES = 1024, [1, 4]
 RESULTS = Path(__file__).parent / "results"
+RESULTS_COMPONENT = "sampler"
 
 
 def sampler_case(batch: int, vocab_size: int, seed: int = 0):
@@ -79,6 +84,7 @@ def test_reference_sampler(benchmark, vocab, batch):
     if batch not in CPU_BATCHES[vocab]:
         pytest.skip(f"CPU grid stops at {max(CPU_BATCHES[vocab])} for vocab {vocab}")
     benchmark.group = f"Sampler.forward, torch backend (cpu), vocab {vocab}"
+    benchmark.extra_info.update(implementation="torch", metric="sampler_forward")
     logits, metadata = sampler_case(batch, VOCABS[vocab])
     sampler = Sampler(backend="torch")
     benchmark(sampler, logits, metadata)
@@ -88,6 +94,7 @@ def test_reference_sampler(benchmark, vocab, batch):
 @pytest.mark.parametrize("batch", [8, 64])
 def test_reference_rejection_sample(benchmark, batch):
     benchmark.group = "rejection_sample reference (cpu), vocab 32k, k=4"
+    benchmark.extra_info.update(implementation="reference", metric="rejection_sample")
     args = rejection_case(batch, VOCABS["32k"])
     benchmark(reference.rejection_sample, *args, generator=torch.Generator().manual_seed(0), check_inputs=False)
     _record_rows_per_s(benchmark, batch)
@@ -101,6 +108,7 @@ def test_tiny_sampling_op(benchmark, impl, batch):
         pytest.skip("set TRITON_INTERPRET=1 (or run on a GPU with bench/gpu/run_all.py)")
     module = _op_module(impl)
     benchmark.group = f"top_k_top_p_sample tiny (vocab {TINY_VOCAB}): reference vs interpreted kernel"
+    benchmark.extra_info.update(implementation="triton-interpreter" if impl == "kernel" else "reference")
     args = sampling_op_case(batch, TINY_VOCAB)
     benchmark.pedantic(module.top_k_top_p_sample, args=args, kwargs={"check_inputs": False}, rounds=3, iterations=1)
 
@@ -118,14 +126,20 @@ def _op_module(impl: str):
 # --- script mode: a table and a plot --------------------------------------------
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _timed_seconds(fn, repeats: int) -> list[float]:
     fn()  # warm up (allocator, first-call overheads)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _grid_row(impl: str, vocab: str, batch: int, times: list[float]) -> dict:
+    seconds = statistics.median(times)
+    return {"impl": impl, "vocab": vocab, "batch": batch, "ms": seconds * 1e3, "rows_per_s": batch / seconds,
+            "rates": [batch / t for t in times]}
 
 
 def run_grid() -> list[dict]:
@@ -134,19 +148,17 @@ def run_grid() -> list[dict]:
     for vocab, batches in CPU_BATCHES.items():
         for batch in batches:
             logits, metadata = sampler_case(batch, VOCABS[vocab])
-            seconds = _median_seconds(lambda: sampler(logits, metadata), repeats=3 if batch >= 64 else 5)
-            rows.append({"impl": "Sampler (torch)", "vocab": vocab, "batch": batch, "ms": seconds * 1e3,
-                         "rows_per_s": batch / seconds})
+            times = _timed_seconds(lambda: sampler(logits, metadata), repeats=3 if batch >= 64 else 5)
+            rows.append(_grid_row("Sampler (torch)", vocab, batch, times))
     for impl in ("reference", "kernel"):
         if impl == "kernel" and os.environ.get("TRITON_INTERPRET") != "1":
             continue
         module = _op_module(impl)
         for batch in TINY_BATCHES:
             args = sampling_op_case(batch, TINY_VOCAB)
-            seconds = _median_seconds(lambda: module.top_k_top_p_sample(*args, check_inputs=False), repeats=3)
+            times = _timed_seconds(lambda: module.top_k_top_p_sample(*args, check_inputs=False), repeats=3)
             label = "op reference" if impl == "reference" else "op kernel (interpreter)"
-            rows.append({"impl": label, "vocab": f"{TINY_VOCAB}", "batch": batch, "ms": seconds * 1e3,
-                         "rows_per_s": batch / seconds})
+            rows.append(_grid_row(label, f"{TINY_VOCAB}", batch, times))
     return rows
 
 
@@ -188,7 +200,22 @@ def main() -> int:
     plot_path = RESULTS / "sampler_cpu.png"
     save_plot(rows, plot_path)
     print(f"plot: {plot_path}")
+    record_rows(rows)
     return 0
+
+
+def record_rows(rows: list[dict]) -> None:
+    """One ``rows_per_s`` row per grid point into ``bench/results/results.csv``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_io import append_rows, make_row, percentiles
+
+    # Same implementation names and metric stems as the pytest mode's rows.
+    names = {"Sampler (torch)": ("torch", "sampler_forward_rows_per_s"),
+             "op reference": ("reference", "tiny_sampling_op_rows_per_s"),
+             "op kernel (interpreter)": ("triton-interpreter", "tiny_sampling_op_rows_per_s")}
+    append_rows([make_row("sampler", names[r["impl"]][0], names[r["impl"]][1], "rows/s", r["rows_per_s"],
+                          params={"vocab": r["vocab"], "batch": r["batch"]}, **percentiles(r["rates"]))
+                 for r in rows])
 
 
 if __name__ == "__main__":

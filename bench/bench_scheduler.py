@@ -16,6 +16,8 @@ from servelab.blocks import FullAttentionSpec, KVCacheManager
 from servelab.samplers.params import SamplingParams
 from servelab.scheduling import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 
+# Rows appended to bench/results/results.csv by bench/conftest.py.
+RESULTS_COMPONENT, RESULTS_IMPLEMENTATION = "scheduler", "servelab"
 PROMPT = 128
 ROUNDS = 200
 TOKEN = 7

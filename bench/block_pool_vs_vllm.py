@@ -1,6 +1,9 @@
 """Block pool throughput: servelab vs vLLM's ``BlockPool`` on the same workload.
 
-Three cycles, each timed as operations per second (best of several repeats):
+Three cycles, each timed as operations per second over ``--repeats`` repeats
+(the table shows the median; rows with p20/p50/p80 over the repeats, one per
+cycle and implementation, are appended to ``bench/results/results.csv``,
+component ``block_pool``, implementations ``servelab`` and ``vllm``):
 
 - ``alloc1+free``:  get_new_blocks(1), free_blocks(it)
 - ``alloc16+free``: get_new_blocks(16), free_blocks(them, tail first)
@@ -12,37 +15,45 @@ Usage::
 
     python bench/block_pool_vs_vllm.py                      # vLLM too if importable
     python bench/block_pool_vs_vllm.py --vllm-python /path/to/anchors-venv/bin/python
+    python bench/block_pool_vs_vllm.py --repeats 2 --scale 0.01 --no-record  # smoke run
 
-vLLM needs a CPU install (``../shared/anchors/README.md``); when it cannot be
-imported here and no ``--vllm-python`` is given, its rows are skipped with a
-message. The vLLM side runs in its own process through this same file.
+vLLM needs a CPU install (any environment where ``import vllm`` works); when
+it cannot be imported here and no ``--vllm-python`` is given, its rows are
+skipped with a message. The vLLM side runs in its own process through this same file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
 HIT_BLOCKS = 16
 
 
-def best_ops_per_s(cycle: Callable[[], None], iters: int, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
+REPEATS, SCALE = 5, 1.0  # set from the command line (also in the vLLM subprocess)
+
+
+def ops_per_s(cycle: Callable[[], None], iters: int) -> list[float]:
+    """Ops/s of each of ``REPEATS`` timed runs of ``iters * SCALE`` cycles."""
+    iters = max(1, int(iters * SCALE))
+    rates = []
+    for _ in range(REPEATS):
         start = time.perf_counter()
         for _ in range(iters):
             cycle()
-        best = min(best, time.perf_counter() - start)
-    return iters / best
+        rates.append(iters / (time.perf_counter() - start))
+    return rates
 
 
-def bench_alloc_free(pool) -> dict[str, float]:
+def bench_alloc_free(pool) -> dict[str, list[float]]:
     """The two allocation cycles; both pools share these method names."""
 
     def alloc1():
@@ -51,10 +62,10 @@ def bench_alloc_free(pool) -> dict[str, float]:
     def alloc16():
         pool.free_blocks(reversed(pool.get_new_blocks(16)))
 
-    return {"alloc1+free": best_ops_per_s(alloc1, 20000), "alloc16+free": best_ops_per_s(alloc16, 5000)}
+    return {"alloc1+free": ops_per_s(alloc1, 20000), "alloc16+free": ops_per_s(alloc16, 5000)}
 
 
-def bench_servelab() -> dict[str, float]:
+def bench_servelab() -> dict[str, list[float]]:
     from servelab.blocks import BlockPool, TokenSequence
 
     pool = BlockPool(NUM_BLOCKS)
@@ -71,11 +82,11 @@ def bench_servelab() -> dict[str, float]:
         pool.touch(got)
         pool.free_blocks(reversed(got))
 
-    out["prefix hit (16 blocks)"] = best_ops_per_s(hit, 5000)
+    out["prefix hit (16 blocks)"] = ops_per_s(hit, 5000)
     return out
 
 
-def bench_vllm() -> dict[str, float]:
+def bench_vllm() -> dict[str, list[float]]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.block_pool import BlockPool
@@ -98,15 +109,39 @@ def bench_vllm() -> dict[str, float]:
         pool.touch(got)
         pool.free_blocks(reversed(got))
 
-    out["prefix hit (16 blocks)"] = best_ops_per_s(hit, 5000)
+    out["prefix hit (16 blocks)"] = ops_per_s(hit, 5000)
     return out
 
 
+def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None) -> None:
+    """Rows for ``results[implementation][cycle]`` into bench/results/results.csv
+    (vLLM rows carry the versions of the interpreter that ran them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_io import append_rows, make_row, percentiles, versions_of_python
+
+    vllm_versions = versions_of_python(vllm_python or sys.executable) if "vllm" in results else {}
+    rows = []
+    for impl, cycles in results.items():
+        for cycle, rates in cycles.items():
+            q = percentiles(rates)
+            rows.append(make_row("block_pool", impl, "ops_per_s", "ops/s", q["p50"],
+                                 params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE},
+                                 **q, extra_versions=vllm_versions if impl == "vllm" else None))
+    print(f"results: {append_rows(rows)}")
+
+
 def main() -> int:
+    global REPEATS, SCALE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", help="python of an environment where vllm imports")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per cycle (default 5)")
+    parser.add_argument("--scale", type=float, default=SCALE, help="multiply iteration counts (smoke runs)")
+    parser.add_argument("--no-record", action="store_true", help="do not append rows to results.csv")
     parser.add_argument("--only", choices=["servelab", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1 or not args.scale > 0:
+        parser.error(f"--repeats must be >= 1 and --scale > 0, got {args.repeats} and {args.scale}")
+    REPEATS, SCALE = args.repeats, args.scale
     if args.only:
         print(json.dumps(bench_servelab() if args.only == "servelab" else bench_vllm()))
         return 0
@@ -119,22 +154,27 @@ def main() -> int:
         theirs = bench_vllm()
     except ImportError:
         if args.vllm_python:
-            proc = subprocess.run([args.vllm_python, __file__, "--only", "vllm"], capture_output=True, text=True)
+            cmd = [args.vllm_python, __file__, "--only", "vllm", "--repeats", str(REPEATS), "--scale", str(SCALE)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr[-2000:], file=sys.stderr)
                 return 1
             theirs = json.loads(proc.stdout.strip().splitlines()[-1])
         else:
-            note = "vLLM is not importable here; pass --vllm-python (see ../shared/anchors/README.md). Skipped."
+            note = "vLLM is not importable here; pass --vllm-python (an environment with vLLM). Skipped."
 
-    print(f"{'cycle':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}{'ratio':>8}")
-    for name, value in ours.items():
+    print(f"{'cycle (median ops/s)':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}{'ratio':>8}")
+    for name, rates in ours.items():
+        value = statistics.median(rates)
         if theirs:
-            print(f"{name:<24}{value:>16,.0f}{theirs[name]:>14,.0f}{value / theirs[name]:>8.2f}")
+            other = statistics.median(theirs[name])
+            print(f"{name:<24}{value:>16,.0f}{other:>14,.0f}{value / other:>8.2f}")
         else:
             print(f"{name:<24}{value:>16,.0f}{'-':>14}{'-':>8}")
     if note:
         print(note)
+    if not args.no_record:
+        record({"servelab": ours, **({"vllm": theirs} if theirs else {})}, args.vllm_python)
     return 0
 
 

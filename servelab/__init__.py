@@ -13,6 +13,12 @@ with the same signature, tests holding one to the other, and a benchmark:
 - :mod:`servelab.samplers`    sampling parameters, sampler, spec-decode verifiers.
 - :mod:`servelab.models`      Llama-family model loading HF checkpoints.
 - :mod:`servelab.pipeline`    ``Pipeline``: model runner, detokenizer, metrics.
+- :mod:`servelab.config`      ``PipelineConfig``: every pipeline setting and its default.
+
+The names a user needs first are here, as in vLLM
+(``from vllm import LLM, SamplingParams``)::
+
+    from servelab import Pipeline, PipelineConfig, SamplingParams
 
 Importing ``servelab`` is cheap: subpackages are imported on first use, and
 nothing here imports Triton (which is Linux-only).
@@ -20,13 +26,32 @@ nothing here imports Triton (which is Linux-only).
 
 __version__ = "0.1.0"
 
-__all__ = ["Pipeline", "__version__"]
+# name -> module that defines it; imported on first attribute access.
+_LAZY = {
+    "Pipeline": "servelab.pipeline.pipeline",
+    "GenerationOutput": "servelab.pipeline.outputs",
+    "SamplingParams": "servelab.samplers.params",
+    "StructuredOutputsParams": "servelab.samplers.structured.params",
+    "PipelineConfig": "servelab.config",
+    "CacheConfig": "servelab.config",
+    "SchedulingConfig": "servelab.config",
+    "SpeculativeConfig": "servelab.config",
+}
+
+__all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy: ``import servelab`` stays cheap; the pipeline (torch, models) loads on first use.
-    if name == "Pipeline":
-        from servelab.pipeline import Pipeline
+    # Lazy: ``import servelab`` stays cheap; torch and the models load on first use.
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'servelab' has no attribute {name!r}")
+    import importlib
 
-        return Pipeline
-    raise AttributeError(f"module 'servelab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

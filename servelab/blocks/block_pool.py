@@ -1,26 +1,42 @@
 """``BlockPool``: the physical KV blocks, their reference counts, the free
-queue and the prefix-cache index.
+blocks and the prefix-cache index.
 
 Life of a block::
 
-    free (in queue, maybe hashed) --get_new_blocks--> owned (ref_cnt >= 1)
-    owned --cache_full_blocks--> owned and hashed (findable by prefix hits)
+    free and empty --get_new_blocks--> owned (ref_cnt >= 1)
+    owned --cache_full_blocks--> owned and indexed (findable by prefix lookup)
     owned --free_blocks, ref_cnt reaches 0--> free again
-        unhashed: to the queue's HEAD  (reused first: its content is worthless)
-        hashed:   to the queue's TAIL  (evicted last: least recently used first)
-    free and hashed --get_cached_block + touch--> owned again (a prefix hit)
-    free and hashed --popped by get_new_blocks--> evicted: hash dropped
+        empty (not indexed): to the head of the pool's free queue (handed out next)
+        indexed:             to the eviction policy (evictable, still findable)
+    free and indexed --get_cached_block + touch--> owned again (a prefix hit)
+    free and indexed --evicted by get_new_blocks--> hash dropped, handed out
 
-Every operation is O(1) per block: the free queue is an intrusive doubly
-linked list, so a cached block revived by a prefix hit leaves the middle of the
-queue without a scan.
+**Commit after compute.** A block becomes findable by prefix lookup only after
+the step that writes its KV has succeeded: ``cache_full_blocks`` is called by
+``KVCacheManager.cache_blocks``, which the scheduler calls after the step,
+never at allocation. A failed step, or a request preempted in the step that
+scheduled it, leaves nothing uncomputed findable.
+
+**Eviction is a policy** (:mod:`servelab.blocks.eviction`). The pool keeps the
+free *empty* blocks itself, in an intrusive O(1) queue, and hands them out
+first (their content is worthless); the :class:`EvictionPolicy` holds the free
+*indexed* blocks and chooses which ones to evict when the empty ones run out.
+With the default ``"lru"`` policy (itself a free queue) the hand-out order is
+exactly the single free queue of vLLM: empty blocks most recently freed first,
+then cached blocks least recently freed first.
+
+**Atomic operations.** Every public method validates its whole argument before
+changing anything (``free_blocks([a, b])`` with ``b`` already free raises and
+``a`` keeps its reference). What is undone if a user-written policy raises
+mid-operation: reference counts and free-set membership (the policy's own
+order may differ afterwards).
 
 Block 0 is the *null block*: never handed out, never freed, its reference
 count untouched. Block tables use it as a placeholder (padding rows, sliding-
 window positions whose blocks were released).
 
 Decision (differs from vLLM): when a second block is cached under a hash that
-already maps to a block, the second one is *not* indexed. It stays unhashed and
+already maps to a block, the second one is *not* indexed. It stays empty and
 returns to the queue's head when freed, so duplicates never take cache space
 from distinct content, and ``get_cached_block`` has exactly one answer.
 """
@@ -29,9 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from servelab._internal.validation import check_bool, check_int
+from servelab.blocks.eviction import get_eviction_policy
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.hashing import BlockHash
-from servelab.blocks.specs import require_nonneg_int
+from servelab.blocks.interfaces import EvictionPolicy
 
 NULL_BLOCK_ID = 0
 
@@ -43,21 +61,38 @@ class BlockPool:
         num_blocks: total blocks including the null block; at least 2.
         enable_caching: index full blocks by hash for prefix caching. When
             False, ``cache_full_blocks`` is a no-op and no block is ever hashed.
+        eviction_policy: a registered name (``available_eviction_policies()``:
+            ``"lru"`` default, ``"lfu"``, ``"fewest_descendants"``) or an
+            :class:`EvictionPolicy` object not used by another pool.
+
+    Attributes:
+        blocks: every ``KVCacheBlock``, indexed by block id.
+        free_queue: the free blocks that hold no indexed content, head first.
+        eviction_policy: the policy object holding the free indexed blocks.
+        cached_block_hash_to_block: the prefix-cache index.
+        num_evictions: indexed blocks reused for new content so far.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
-            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, *,
+                 eviction_policy: str | EvictionPolicy = "lru") -> None:
+        check_int("num_blocks", num_blocks)
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
-        if not isinstance(enable_caching, bool):
-            raise TypeError(f"enable_caching must be a bool, got {type(enable_caching).__name__}")
+        check_bool("enable_caching", enable_caching)
+        policy = get_eviction_policy(eviction_policy)
+        if len(policy):
+            raise ValueError(f"eviction_policy {policy.name!r} already holds {len(policy)} blocks: "
+                             "one policy object serves one pool; pass a new one or a name")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.is_null = True
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.eviction_policy = policy
+        # Optional hooks, looked up once: policies without them cost nothing.
+        self._on_cached = getattr(policy, "on_cached", None)
+        self._on_hit = getattr(policy, "on_hit", None)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -65,78 +100,162 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that ``get_new_blocks`` can hand out now (cached-but-free included)."""
-        return len(self.free_queue)
+        """Blocks that ``get_new_blocks`` can hand out now (evictable cached ones included)."""
+        return self.free_queue._len + len(self.eviction_policy)
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks (all but the null block) held by requests."""
-        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+        return 1.0 - (self.free_queue._len + len(self.eviction_policy)) / (self.num_blocks - 1)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` blocks from the head of the free queue, evicting
-        any cached content they hold; each comes back with ``ref_cnt == 1``."""
-        require_nonneg_int(num_blocks, "num_blocks")
-        if num_blocks > len(self.free_queue):
-            raise ValueError(
-                f"num_blocks={num_blocks} exceeds the {len(self.free_queue)} free blocks; "
-                "ask for at most num_free_blocks"
-            )
-        blocks = self.free_queue.popleft_n(num_blocks)
+        """``num_blocks`` blocks with ``ref_cnt == 1``: empty ones from the head
+        of the free queue first, then cached ones chosen by the eviction
+        policy (their hashes are dropped: evicted)."""
+        if type(num_blocks) is not int or num_blocks < 0:
+            check_int("num_blocks", num_blocks, min_value=0)
+        queue = self.free_queue
+        if num_blocks <= queue._len:
+            blocks = queue.popleft_n(num_blocks)
+        else:
+            blocks = self._get_with_eviction(num_blocks)
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
             block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        del self.cached_block_hash_to_block[block.block_hash]
-        block.block_hash = None
-        self.num_evictions += 1
+    def _get_with_eviction(self, num_blocks: int) -> list[KVCacheBlock]:
+        queue, policy = self.free_queue, self.eviction_policy
+        num_evict = num_blocks - queue._len
+        if num_evict > len(policy):
+            raise ValueError(f"num_blocks={num_blocks} exceeds the {queue._len + len(policy)} free blocks; "
+                             "ask for at most num_free_blocks")
+        victims = list(policy.evict(num_evict))  # a raising policy leaves the pool unchanged
+        mine = self.blocks
+        for block in victims:
+            if (not isinstance(block, KVCacheBlock) or mine[block.block_id] is not block
+                    or block.ref_cnt != 0 or block.block_hash is None):
+                raise RuntimeError(f"eviction policy {policy.name!r} returned {block!r}, which is not one of "
+                                   "its evictable blocks; the policy is broken")
+        if len(victims) != num_evict:
+            raise RuntimeError(f"eviction policy {policy.name!r} returned {len(victims)} blocks for "
+                               f"evict({num_evict})")
+        blocks = queue.popleft_n(queue._len)
+        index = self.cached_block_hash_to_block
+        for block in victims:
+            del index[block.block_hash]
+            block.block_hash = None
+        self.num_evictions += num_evict
+        blocks += victims
+        return blocks
 
-    def _own(self, blocks: Iterable[KVCacheBlock], name: str) -> list[KVCacheBlock]:
-        """``blocks`` as a list, checked to be this pool's blocks before any
-        state changes (so a bad argument never leaves the pool half-updated)."""
+    def _own(self, blocks: Iterable[KVCacheBlock], name: str, held: bool = False) -> list[KVCacheBlock]:
+        """``blocks`` as a list, checked to be this pool's blocks (and, with
+        ``held``, to be referenced or null) before any state changes, so a bad
+        argument never leaves the pool half-updated."""
         if type(blocks) is not list:
             blocks = list(blocks)
         mine = self.blocks
         try:
-            for b in blocks:
-                if mine[b.block_id] is not b:
-                    raise ValueError(f"{name} contains {b!r}, which belongs to another pool")
+            if held:
+                for b in blocks:
+                    if mine[b.block_id] is not b or b.ref_cnt <= 0:
+                        self._check_held(b, name)
+            else:
+                for b in blocks:
+                    if mine[b.block_id] is not b:
+                        raise ValueError(f"{name} contains {b!r}, which belongs to another pool")
         except (AttributeError, IndexError, TypeError):
             kinds = sorted({type(b).__name__ for b in blocks})
             raise TypeError(f"{name} must contain this pool's KVCacheBlock objects, got {kinds}") from None
         return blocks
 
+    def _check_held(self, block: KVCacheBlock, name: str) -> None:
+        if self.blocks[block.block_id] is not block:
+            raise ValueError(f"{name} contains {block!r}, which belongs to another pool")
+        if not block.is_null:
+            raise ValueError(f"block {block.block_id} is already free (ref_cnt={block.ref_cnt}); "
+                             "each reference may be freed once")
+
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the given order; blocks that
-        reach zero go back to the free queue (unhashed to the head, hashed to
-        the tail). Callers free a request's blocks tail-first, so that among
-        blocks freed together the end of a hash chain is evicted before its
-        more shareable prefix."""
-        for block in self._own(blocks, "blocks"):
+        reach zero become free (empty ones to the queue's head, cached ones to
+        the eviction policy). Callers free a request's blocks tail-first, so
+        that among blocks freed together the end of a hash chain is evicted
+        (by LRU) before its more shareable prefix.
+
+        Raises ValueError, changing nothing, if a block is already free or is
+        listed more often than it is referenced."""
+        blocks = self._own(blocks, "blocks", held=True)
+        queue, push = self.free_queue, self.eviction_policy.push
+        it = iter(blocks)  # what is left of it tells how far an undo must go
+        for block in it:
             if block.is_null:
                 continue
-            if block.ref_cnt <= 0:
-                raise ValueError(f"block {block.block_id} is already free (ref_cnt={block.ref_cnt}); "
+            if block.ref_cnt <= 0:  # listed more often than referenced
+                self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
+                raise ValueError(f"block {block.block_id} is listed more times than it is referenced; "
                                  "each reference may be freed once")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
+                    queue.appendleft(block)
                 else:
-                    self.free_queue.append(block)
+                    try:
+                        push(block)
+                    except BaseException:
+                        block.ref_cnt = 1
+                        self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
+                        raise
 
-    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on each block (a prefix hit), pulling free
-        ones out of the queue so they cannot be evicted while in use."""
-        for block in self._own(blocks, "blocks"):
+    def _undo_free(self, done: list[KVCacheBlock]) -> None:
+        """Give back the references ``free_blocks`` dropped from ``done``
+        (newest first, so the free queue's links come back exactly)."""
+        queue, policy = self.free_queue, self.eviction_policy
+        for block in reversed(done):
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                if block.block_hash is None:
+                    queue.remove(block)
+                else:
+                    policy.remove(block)
             block.ref_cnt += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix hit), taking free
+        ones out of the free set so they cannot be evicted while in use."""
+        blocks = self._own(blocks, "blocks")
+        queue, policy = self.free_queue, self.eviction_policy
+        it = iter(blocks)
+        try:
+            for block in it:
+                if block.is_null:
+                    continue
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        queue.remove(block)
+                    else:
+                        policy.remove(block)
+                block.ref_cnt += 1
+        except BaseException:  # only a user policy's remove() can raise here
+            done = blocks[: len(blocks) - len(list(it)) - 1]
+            for block in reversed(done):
+                if not block.is_null:
+                    block.ref_cnt -= 1
+                    if block.ref_cnt == 0:
+                        self._make_free(block)
+            raise
+        on_hit = self._on_hit
+        if on_hit is not None:
+            for block in blocks:
+                if block.block_hash is not None and not block.is_null:
+                    on_hit(block)
+
+    def _make_free(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            self.free_queue.appendleft(block)
+        else:
+            self.eviction_policy.push(block)
 
     # ---- prefix cache ---------------------------------------------------
 
@@ -158,12 +277,13 @@ class BlockPool:
         ``block_hashes`` at the same positions.
 
         ``blocks`` and ``block_hashes`` are one request's block list and hash
-        list (position i of both covers tokens ``[i*bs, (i+1)*bs)``). Null
+        list (position i of both covers tokens ``[i*bs, (i+1)*bs)``); the
+        blocks in the range must be held (their KV was just written). Null
         blocks are skipped; a hash already indexed keeps its first block.
         """
         blocks = self._own(blocks, "blocks")
-        require_nonneg_int(num_cached_blocks, "num_cached_blocks")
-        require_nonneg_int(num_full_blocks, "num_full_blocks")
+        check_int("num_cached_blocks", num_cached_blocks, min_value=0)
+        check_int("num_full_blocks", num_full_blocks, min_value=0)
         if num_cached_blocks > num_full_blocks:
             raise ValueError(
                 f"num_cached_blocks={num_cached_blocks} must be <= num_full_blocks={num_full_blocks}"
@@ -173,16 +293,33 @@ class BlockPool:
                 f"num_full_blocks={num_full_blocks} exceeds len(blocks)={len(blocks)} "
                 f"or len(block_hashes)={len(block_hashes)}"
             )
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.ref_cnt <= 0 and not block.is_null:
+                raise ValueError(f"blocks[{i}] (block {block.block_id}) is free; only held blocks, whose "
+                                 "KV was just written, can be cached")
         if not self.enable_caching:
             return
         index = self.cached_block_hash_to_block
-        for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], block_hashes[i]
-            if block.is_null or block.block_hash is not None:
-                continue
-            if block_hash not in index:
-                block.block_hash = block_hash
-                index[block_hash] = block
+        added = []
+        try:
+            for i in range(num_cached_blocks, num_full_blocks):
+                block, block_hash = blocks[i], block_hashes[i]
+                if block.is_null or block.block_hash is not None:
+                    continue
+                if block_hash not in index:
+                    block.block_hash = block_hash
+                    index[block_hash] = block
+                    added.append(i)
+        except TypeError:
+            for i in added:
+                del index[blocks[i].block_hash]
+                blocks[i].block_hash = None
+            raise TypeError(f"block_hashes must hold bytes, got {type(block_hashes[i]).__name__}") from None
+        on_cached = self._on_cached
+        if on_cached is not None and added:
+            for i in added:
+                on_cached(blocks[i], index.get(block_hashes[i - 1]) if i > 0 else None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (e.g. after a weight update).
@@ -193,6 +330,12 @@ class BlockPool:
         """
         if self.num_free_blocks != self.num_blocks - 1:
             return False
+        policy = self.eviction_policy
+        cached = list(policy.evict(len(policy))) if len(policy) else []
+        policy.clear()
+        for block in cached:  # in eviction order, behind the empty blocks
+            block.block_hash = None
+            self.free_queue.append(block)
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
@@ -203,5 +346,6 @@ class BlockPool:
         return [0 if b.is_null else b.ref_cnt for b in self.blocks]
 
     def free_block_ids(self) -> list[int]:
-        """Free block ids in queue order: the first is the next one handed out."""
-        return [b.block_id for b in self.free_queue]
+        """Free block ids in hand-out order: empty blocks, then cached ones in
+        eviction order. The first is the next one handed out."""
+        return [b.block_id for b in self.free_queue] + [b.block_id for b in self.eviction_policy]

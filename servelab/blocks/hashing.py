@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from servelab._internal.validation import check_int
+
 BlockHash = bytes
 HashFunction = Callable[[bytes], BlockHash]
 
@@ -91,10 +93,8 @@ class MultiModalSpan:
     def __post_init__(self) -> None:
         if not isinstance(self.identifier, str) or not self.identifier:
             raise ValueError(f"identifier={self.identifier!r} must be a non-empty string")
-        for name in ("offset", "length"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "length"):
-                raise ValueError(f"{name}={value!r} must be an int >= {int(name == 'length')}")
+        check_int("offset", self.offset, min_value=0)
+        check_int("length", self.length, min_value=1)
 
 
 def block_extra_keys(
@@ -142,8 +142,7 @@ class RequestBlockHasher:
         cache_salt: str | None = None,
         mm_spans: Sequence[MultiModalSpan] = (),
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        check_int("block_size", block_size, min_value=1)
         if hash_fn not in HASH_FUNCTIONS:
             raise ValueError(f"hash_fn={hash_fn!r} is not known; valid: {sorted(HASH_FUNCTIONS)}")
         for name, value in (("lora_name", lora_name), ("cache_salt", cache_salt)):

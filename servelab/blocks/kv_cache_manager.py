@@ -1,39 +1,62 @@
 """``KVCacheManager``: the scheduler's view of KV memory.
 
-The scheduler asks two questions per request and step:
+The scheduler asks three things per request (see
+:class:`~servelab.blocks.interfaces.KVCacheManagerProtocol` for the contract):
 
 1. On admission, ``get_computed_blocks(request)``: how much of this request's
    prefix is already cached? The answer is capped at ``num_tokens - 1``: the
    last token is always recomputed, because its logits are what the step is
    for.
 2. ``allocate_slots(request, num_new_tokens, ...)``: make room for this step's
-   tokens, or say ``None`` when they don't fit — nothing is allocated then, so
+   tokens, or say ``None`` when they don't fit — nothing changed then, so
    the scheduler can preempt someone and retry without cleaning up.
+3. After the step, ``cache_blocks(request, request.num_computed_tokens)``:
+   the KV of those tokens is now written; make their full blocks findable.
 
 A request's token positions, from the manager's point of view::
 
     | computed | new computed (prefix hit) | new (this step) | lookahead (drafts) |
     |<- already held ->|<-------------- allocated by this call ---------------->|
 
-Full blocks are indexed for prefix caching as soon as they are allocated for
-tokens the request really has (lookahead slots are never hashed).
+**Commit after compute.** A block becomes findable by prefix lookup only
+after the step that writes its KV has succeeded: ``allocate_slots`` never
+indexes anything, ``cache_blocks`` does, and only for tokens the caller says
+are computed (after rejected drafts are subtracted; lookahead slots never).
+A step that fails, is interrupted, or a request preempted in the same
+``schedule()`` call, leaves no uncomputed block findable.
+
+**Atomic.** Each public method validates everything before changing state:
+an exception (or ``None`` from ``allocate_slots``) leaves no trace.
+
+**Stats** (``prefix_cache_stats``) count each request once per admission, when
+``allocate_slots`` admits it (vLLM semantics), not on every lookup while it
+waits for memory.
+
+**One owner.** The manager owns its :class:`BlockPool` (built from
+``num_blocks`` / ``eviction_policy``, or injected with ``block_pool=``);
+the per-spec helper it uses is rebuilt with it, so there is no second,
+stale reference. ``manager.block_pool = other`` works while no request holds
+blocks and raises otherwise.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
 from servelab.blocks.free_queue import KVCacheBlock
+from servelab.blocks.interfaces import EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import manager_class_for
-from servelab.blocks.specs import KVCacheSpec, require_nonneg_int
+from servelab.blocks.specs import KVCacheSpec
 
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since the last reset, counted in tokens."""
+    """Prefix-cache lookups since the last reset, counted in tokens, once per admission."""
 
     requests: int = 0
     queried_tokens: int = 0
@@ -69,6 +92,12 @@ class KVCacheManager:
         watermark: fraction of usable blocks a request being *admitted* must
             leave free (when other requests hold blocks), so running requests
             can still grow without immediate preemption. In [0, 1).
+        eviction_policy: for the pool built here: a registered name
+            (default ``"lru"``) or an :class:`EvictionPolicy` object.
+        block_pool: a ready :class:`BlockPool` (or subclass) to use instead;
+            it must have ``num_blocks`` blocks and the same ``enable_caching``,
+            hold no blocks and belong to no other manager. Its eviction policy
+            is its own (``eviction_policy`` must then be left None).
     """
 
     def __init__(
@@ -79,40 +108,92 @@ class KVCacheManager:
         *,
         max_model_len: int | None = None,
         watermark: float = 0.0,
+        eviction_policy: str | EvictionPolicy | None = None,
+        block_pool: BlockPool | None = None,
     ) -> None:
         manager_cls = manager_class_for(spec)
+        check_bool("enable_caching", enable_caching)
         if enable_caching and not manager_cls.supports_prefix_caching:
             raise ValueError(
                 f"enable_caching=True is not supported for {type(spec).__name__}: "
                 f"{manager_cls.no_prefix_caching_reason}"
             )
-        if max_model_len is not None and (
-            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0
-        ):
-            raise ValueError(f"max_model_len={max_model_len!r} must be a positive int or None")
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise ValueError(f"watermark={watermark!r} must be a number in [0, 1)")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, min_value=1)
+        check_number("watermark", watermark, min_value=0.0, max_value=1.0, max_exclusive=True)
+        check_int("num_blocks", num_blocks)
+        if block_pool is None:
+            block_pool = BlockPool(num_blocks, enable_caching,
+                                   eviction_policy="lru" if eviction_policy is None else eviction_policy)
+        elif eviction_policy is not None:
+            raise ValueError("eviction_policy applies to the pool the manager builds; with block_pool= "
+                             "give the policy to that BlockPool instead")
         self.spec = spec
         self.block_size = spec.block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * (num_blocks - 1))
-        self._manager = manager_cls(spec, self.block_pool)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self._pool: BlockPool | None = None
+        self._take_pool(block_pool, num_blocks, manager_cls)
+
+    # ---- the pool ----------------------------------------------------------
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The pool this manager owns. Assignable while no request holds blocks."""
+        return self._pool
+
+    @block_pool.setter
+    def block_pool(self, pool: BlockPool) -> None:
+        if self.req_to_blocks:
+            raise ValueError(f"cannot replace block_pool while {len(self.req_to_blocks)} requests hold blocks "
+                             "of the current one; free them first")
+        self._take_pool(pool, self._pool.num_blocks, type(self._manager))
+        self._num_cached_blocks.clear()
+
+    def _take_pool(self, pool: BlockPool, num_blocks: int, manager_cls: type) -> None:
+        """Validate ``pool`` fully, then become its only owner."""
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"block_pool must be a servelab.blocks.BlockPool (or a subclass), got "
+                            f"{type(pool).__name__}; the reference pool pairs with servelab.reference.KVCacheManager")
+        if pool.num_blocks != num_blocks:
+            raise ValueError(f"block_pool has num_blocks={pool.num_blocks}, the manager needs {num_blocks} "
+                             "(the KV tensors are sized for it)")
+        if pool.enable_caching != self.enable_caching:
+            raise ValueError(f"block_pool.enable_caching={pool.enable_caching} differs from the manager's "
+                             f"enable_caching={self.enable_caching}")
+        if pool is self._pool:
+            return
+        owner = getattr(pool, "_owner", None)
+        if owner is not None and owner() is not None:
+            raise ValueError("block_pool already belongs to another KVCacheManager; one pool has one owner")
+        if pool.num_free_blocks != pool.num_blocks - 1:
+            raise ValueError(f"block_pool has {pool.num_blocks - 1 - pool.num_free_blocks} blocks held; "
+                             "a pool is handed over with every block free")
+        if self._pool is not None:
+            self._pool._owner = None
+        pool._owner = weakref.ref(self)
+        self._pool = pool
+        self._manager = manager_cls(self.spec, pool)
 
     # ---- queries ---------------------------------------------------------
 
     @property
+    def num_blocks(self) -> int:
+        """Pool size, null block included."""
+        return self._pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        return self._pool.num_free_blocks
 
     @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""
-        return self.block_pool.usage
+        return self._pool.usage
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The blocks a request holds, in token order (empty if none)."""
@@ -125,18 +206,14 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: its blocks (not yet
-        referenced: pass them to ``allocate_slots``) and its length in tokens."""
+        referenced: pass them to ``allocate_slots``) and its length in tokens.
+        No side effect (stats are counted when ``allocate_slots`` admits)."""
         _request_id(request)
         if not self.enable_caching:
             return [], 0
-        num_tokens = require_nonneg_int(request.num_tokens, "request.num_tokens")
+        num_tokens = check_int("request.num_tokens", request.num_tokens, min_value=0)
         blocks = self._manager.find_longest_cache_hit(request.block_hashes, max(num_tokens - 1, 0))
-        num_hit = len(blocks) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.requests += 1
-        stats.queried_tokens += num_tokens
-        stats.hit_tokens += num_hit
-        return blocks, num_hit
+        return blocks, len(blocks) * self.block_size
 
     # ---- allocation --------------------------------------------------------
 
@@ -149,44 +226,75 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Hold blocks for ``request.num_computed_tokens + num_new_computed_tokens
-        + num_new_tokens + num_lookahead_tokens`` tokens.
+        + num_new_tokens + num_lookahead_tokens`` tokens. Never indexes a block
+        (``cache_blocks`` does, once the KV is written).
 
         Args:
             num_new_tokens: tokens computed this step.
             num_new_computed_tokens: tokens covered by ``new_computed_blocks``
                 (a prefix hit from ``get_computed_blocks``; admission only).
             new_computed_blocks: the hit's blocks; they gain a reference.
-            num_lookahead_tokens: extra slots for speculative drafts; never hashed.
+            num_lookahead_tokens: extra slots for speculative drafts.
 
         Returns:
             The newly allocated blocks (possibly empty), or None if they don't
             fit — in which case nothing changed.
         """
-        # This runs once per running request per step: checks are inlined for
-        # the common case and fall back to the helpers for the error message.
+        # Step 1: validate everything (inline checks for the per-step common case).
         if type(num_new_tokens) is not int or num_new_tokens < 0:
-            require_nonneg_int(num_new_tokens, "num_new_tokens")
+            check_int("num_new_tokens", num_new_tokens, min_value=0)
         if type(num_new_computed_tokens) is not int or num_new_computed_tokens < 0:
-            require_nonneg_int(num_new_computed_tokens, "num_new_computed_tokens")
+            check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
-            require_nonneg_int(num_lookahead_tokens, "num_lookahead_tokens")
+            check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
-        new_computed_blocks = list(new_computed_blocks) if new_computed_blocks else []
-        if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
-            raise ValueError(
-                f"num_new_computed_tokens={num_new_computed_tokens} must equal "
-                f"len(new_computed_blocks) * block_size = {len(new_computed_blocks)} * {self.block_size}"
-            )
-        if new_computed_blocks and held:
-            raise ValueError(
-                f"new_computed_blocks given for request {request_id!r}, which already holds "
-                f"{len(held)} blocks; prefix hits apply on admission only"
-            )
+        hit = self._check_hit(request_id, held, num_new_computed_tokens, new_computed_blocks)
         request_computed = request.num_computed_tokens
         if type(request_computed) is not int or request_computed < 0:
-            require_nonneg_int(request_computed, "request.num_computed_tokens")
-        num_real_tokens = request_computed + num_new_computed_tokens + num_new_tokens
+            check_int("request.num_computed_tokens", request_computed, min_value=0)
+        num_slots = self._num_slots(request_id, request_computed + num_new_computed_tokens + num_new_tokens,
+                                    num_lookahead_tokens)
+
+        # Step 2: plan — what would be released, how many blocks are needed.
+        manager = self._manager
+        plan, released = held, ()
+        if held and not hit and manager.releases_blocks:
+            plan = held.copy()
+            released = manager.release_skipped_blocks(plan, request_computed)
+        num_held = len(held) if held else 0
+        num_to_allocate = manager.num_required_blocks(num_slots) - num_held - len(hit)
+        if (num_to_allocate > 0 or hit or not held) and not self._fits(
+                request_id, held, hit, released, max(num_to_allocate, 0)):
+            return None
+
+        # Step 3: commit.
+        new_blocks = self._commit(request_id, held, plan, hit, released, num_to_allocate)
+        if held is None and self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queried_tokens += request.num_tokens
+            stats.hit_tokens += num_new_computed_tokens
+        return new_blocks
+
+    def _check_hit(self, request_id: str, held: list[KVCacheBlock] | None, num_new_computed_tokens: int,
+                   new_computed_blocks: Sequence[KVCacheBlock] | None) -> list[KVCacheBlock]:
+        hit = list(new_computed_blocks) if new_computed_blocks else []
+        if len(hit) * self.block_size != num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens={num_new_computed_tokens} must equal "
+                f"len(new_computed_blocks) * block_size = {len(hit)} * {self.block_size}"
+            )
+        if hit:
+            if held:
+                raise ValueError(
+                    f"new_computed_blocks given for request {request_id!r}, which already holds "
+                    f"{len(held)} blocks; prefix hits apply on admission only"
+                )
+        return hit  # checked to be this pool's blocks by touch(), the first change _commit makes
+
+    def _num_slots(self, request_id: str, num_real_tokens: int, num_lookahead_tokens: int) -> int:
+        """Slots to hold: real tokens (must fit max_model_len) plus lookahead (clipped)."""
         num_slots = num_real_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
             if num_real_tokens > self.max_model_len:
@@ -195,56 +303,105 @@ class KVCacheManager:
                     f"max_model_len={self.max_model_len}"
                 )
             num_slots = min(num_slots, self.max_model_len)
+        return num_slots
 
-        manager = self._manager
-        if held is None:
-            held = []
-        elif not new_computed_blocks and manager.releases_blocks:
-            # Free out-of-window blocks first, so they count as free below.
-            released = manager.release_skipped_blocks(held, request_computed)
+    def _fits(self, request_id: str, held: list[KVCacheBlock] | None, hit: list[KVCacheBlock],
+              released: Sequence[KVCacheBlock], num_to_allocate: int) -> bool:
+        """Whether ``num_to_allocate`` new blocks plus the hit's free blocks fit
+        in the free blocks (plus those ``released`` would free), minus the
+        watermark when admitting next to others."""
+        # Hit blocks sitting free leave the free set when touched.
+        try:
+            num_revived = sum(1 for b in hit if b.ref_cnt == 0 and not b.is_null)
+        except AttributeError:
+            raise TypeError(f"new_computed_blocks must hold KVCacheBlock objects, got "
+                            f"{sorted({type(b).__name__ for b in hit})}") from None
+        budget = self._pool.num_free_blocks + sum(1 for b in released if b.ref_cnt == 1)
+        if not held and self.req_to_blocks.keys() - {request_id}:
+            budget -= self.watermark_blocks
+        return num_to_allocate + num_revived <= budget
+
+    def _commit(self, request_id: str, held: list[KVCacheBlock] | None, plan: list[KVCacheBlock] | None,
+                hit: list[KVCacheBlock], released: Sequence[KVCacheBlock],
+                num_to_allocate: int) -> list[KVCacheBlock]:
+        pool = self._pool
+        if hit:
+            pool.touch(hit)
+        if released:  # out-of-window blocks first, so their room is reused now
+            pool.free_blocks(released)
+        try:
+            new_blocks = pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
+        except BaseException:  # a raising eviction policy: undo the release and the touch
             if released:
-                self.block_pool.free_blocks(released)
-
-        num_to_allocate = manager.num_required_blocks(num_slots) - len(held) - len(new_computed_blocks)
-        if num_to_allocate > 0 or new_computed_blocks or not held:
-            # Hit blocks sitting in the free queue leave it when touched.
-            num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-            budget = self.block_pool.num_free_blocks
-            if not held and self.req_to_blocks.keys() - {request_id}:
-                budget -= self.watermark_blocks
-            if max(num_to_allocate, 0) + num_revived > budget:
-                return None
-            if new_computed_blocks:
-                self.block_pool.touch(new_computed_blocks)
-                held.extend(new_computed_blocks)
-                self._num_cached_blocks[request_id] = len(new_computed_blocks)
-        if num_to_allocate > 0:
-            new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
+                pool.touch(released)
+            if hit:
+                pool.free_blocks(hit[::-1])
+            raise
+        if held is None:
+            held = hit + new_blocks
+            self.req_to_blocks[request_id] = held
+            if hit:
+                self._num_cached_blocks[request_id] = len(hit)
+            return new_blocks
+        if released:
+            held[:] = plan
+        if new_blocks:
             held.extend(new_blocks)
-        else:
-            new_blocks = []
-        self.req_to_blocks[request_id] = held
-
-        if self.enable_caching:
-            num_full = min(num_real_tokens, request.num_tokens) // self.block_size
-            num_cached = self._num_cached_blocks.get(request_id, 0)
-            if num_full > num_cached:
-                hashes = request.block_hashes
-                num_full = min(num_full, len(hashes))
-                if num_full > num_cached:
-                    self.block_pool.cache_full_blocks(held, hashes, num_cached, num_full)
-                    self._num_cached_blocks[request_id] = num_full
         return new_blocks
+
+    def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
+        """Make the request's full blocks covering its first
+        ``num_computed_tokens`` tokens findable by prefix lookup.
+
+        Call it once the KV of those tokens is written (the scheduler does, in
+        ``update_from_output``, with ``request.num_computed_tokens`` after
+        rejected drafts are subtracted). Incremental (only blocks not cached
+        yet are indexed) and idempotent; a no-op with caching off or for a
+        request that holds no blocks (finished, preempted, never admitted).
+        Raises ValueError, changing nothing, if ``num_computed_tokens`` exceeds
+        the request's tokens or its allocated slots.
+        """
+        if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+            check_int("num_computed_tokens", num_computed_tokens, min_value=0)
+        if not self.enable_caching:
+            return
+        try:
+            request_id = request.request_id
+        except AttributeError:
+            request_id = _request_id(request)
+        held = self.req_to_blocks.get(request_id)
+        if not held:
+            return
+        block_size = self.block_size
+        if num_computed_tokens > len(held) * block_size or num_computed_tokens > request.num_tokens:
+            self._cache_blocks_error(request, num_computed_tokens, held)
+        num_full = num_computed_tokens // block_size
+        num_cached = self._num_cached_blocks.get(request_id, 0)
+        if num_full > num_cached:
+            hashes = request.block_hashes
+            num_full = min(num_full, len(hashes))
+            if num_full > num_cached:
+                self._pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                self._num_cached_blocks[request_id] = num_full
+
+    def _cache_blocks_error(self, request: KVCacheRequest, num_computed_tokens: int,
+                            held: list[KVCacheBlock]) -> None:
+        raise ValueError(
+            f"num_computed_tokens={num_computed_tokens} exceeds request {request.request_id!r}'s "
+            f"{request.num_tokens} tokens or its {len(held) * self.block_size} allocated slots; only "
+            "tokens whose KV was written can be cached"
+        )
 
     def free(self, request: KVCacheRequest | str) -> None:
         """Release every block of a request, tail first. Idempotent: freeing a
         request that holds nothing does nothing."""
         request_id = request if isinstance(request, str) else request.request_id
-        blocks = self.req_to_blocks.pop(request_id, None)
-        self._num_cached_blocks.pop(request_id, None)
+        blocks = self.req_to_blocks.get(request_id)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self._pool.free_blocks(blocks[::-1])
+        self.req_to_blocks.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold blocks."""
-        return self.block_pool.reset_prefix_cache()
+        return self._pool.reset_prefix_cache()

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelab._internal.validation import check_int
 from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec
 
 LAYOUTS = ("layer_outermost", "block_outermost")
@@ -88,9 +89,8 @@ def allocate_kv_cache(
 ) -> KVCacheBuffers:
     """Allocate one int8 buffer for ``num_layers`` layers of ``num_blocks``
     blocks each, and return it with per-layer views (see module docstring)."""
-    for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    check_int("num_layers", num_layers, min_value=1)
+    check_int("num_blocks", num_blocks, min_value=1)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not known; valid: {LAYOUTS}")
     if not isinstance(spec, KVCacheSpec):
@@ -123,7 +123,8 @@ def layer_views(
         )
     bs = spec.block_size
     kbs = bs if kernel_block_size is None else kernel_block_size
-    if isinstance(kbs, bool) or not isinstance(kbs, int) or kbs <= 0 or bs % kbs:
+    check_int("kernel_block_size", kbs, min_value=1)
+    if bs % kbs:
         raise ValueError(
             f"kernel_block_size={kernel_block_size!r} must be a positive divisor of block_size={bs}"
         )
@@ -175,8 +176,7 @@ def _one_layer(buffer, spec, layer: int, num_layers: int, num_blocks: int, layou
 def expand_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
     """Manager block ids ``[num_seqs, n]`` -> kernel block ids ``[num_seqs, n * ratio]``
     (block ``b`` becomes ``b*ratio, ..., b*ratio + ratio - 1``)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio <= 0:
-        raise ValueError(f"ratio={ratio!r} must be a positive integer")
+    check_int("ratio", ratio, min_value=1)
     if block_table.dim() != 2:
         raise ValueError(f"block_table must be 2-D [num_seqs, max_blocks], got shape {tuple(block_table.shape)}")
     offsets = torch.arange(ratio, dtype=block_table.dtype, device=block_table.device)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from servelab._internal.validation import check_int
+
 # dtypes a KV cache may be stored in. Strings are accepted for convenience and
 # resolved here, so the rest of the package only ever sees torch.dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -56,20 +58,12 @@ def resolve_dtype(value: torch.dtype | str, field: str = "dtype") -> torch.dtype
 
 
 def _require_positive_int(obj: object, field: str) -> None:
-    value = getattr(obj, field)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{field}={value} must be a positive integer")
+    check_int(field, getattr(obj, field), min_value=1)
 
 
 def require_nonneg_int(value: object, name: str) -> int:
-    """``value`` if it is an int >= 0; else TypeError / ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
+    """Kept for old callers: ``check_int(name, value, min_value=0)``."""
+    return check_int(name, value, min_value=0)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -96,8 +90,7 @@ class KVCacheSpec:
         raise NotImplementedError(f"{type(self).__name__} does not define max_memory_usage_bytes")
 
     def _check_max_model_len(self, max_model_len: int) -> None:
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len <= 0:
-            raise ValueError(f"max_model_len={max_model_len!r} must be a positive integer")
+        check_int("max_model_len", max_model_len, min_value=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +165,8 @@ class SlidingWindowSpec(AttentionSpec):
         self._check_max_model_len(max_model_len)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max_model_len
-        elif isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r} must be a positive integer")
+        else:
+            check_int("max_num_batched_tokens", max_num_batched_tokens, min_value=1)
         # One step computes up to max_num_batched_tokens new tokens, and the first
         # of them still needs the window - 1 tokens before it. The +1 covers a
         # window whose first token is not at a block boundary.

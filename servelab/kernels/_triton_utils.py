@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from servelab.backends import triton_device_problem
+from servelab.attention.backends import triton_device_problem
 
 
 def is_interpreted(kernel: object) -> bool:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from servelab.kernels._triton_utils import is_interpreted, require_launchable
-from servelab.reference._attention_checks import check_merge_attn_states_args
+from servelab._internal.attention_checks import check_merge_attn_states_args
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

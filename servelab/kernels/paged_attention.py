@@ -41,7 +41,7 @@ from servelab.kernels._triton_utils import (
     require_launchable,
     sm_count,
 )
-from servelab.reference._attention_checks import check_paged_attention_args
+from servelab._internal.attention_checks import check_paged_attention_args
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_SIZE = 256

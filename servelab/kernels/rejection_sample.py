@@ -20,8 +20,8 @@ import triton.language as tl
 
 from servelab.kernels._sampling_common import row_argmax, vocab_block_size
 from servelab.kernels._triton_utils import is_interpreted, require_launchable
-from servelab.reference._sampling_checks import check_draft_batch
-from servelab.reference._sampling_noise import draw_rejection_noise
+from servelab._internal.sampling_checks import check_draft_batch
+from servelab._internal.sampling_noise import draw_rejection_noise
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from servelab.kernels._sampling_common import (
     vocab_block_size,
 )
 from servelab.kernels._triton_utils import is_interpreted, require_launchable
-from servelab.reference._sampling_checks import check_sampling_inputs
+from servelab._internal.sampling_checks import check_sampling_inputs
 
 NUM_PROBES = 16
 

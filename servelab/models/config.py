@@ -8,12 +8,27 @@ does not implement — another architecture, a non-SiLU activation, mixture of
 experts, an unknown RoPE type, quantized weights, logit soft-capping... —
 raises ``ValueError`` naming the field and its value, so a checkpoint never
 runs with a silently different computation.
+
+End of sequence and generation defaults come from both files a checkpoint
+may have: ``eos_token_id`` (an int or a list) of ``config.json`` *and* of
+``generation_config.json`` are merged, config first, duplicates dropped, so a
+model that lists extra end-of-turn ids only in its generation config still
+stops on them. Every EOS id must lie in ``[0, vocab_size)``, else loading
+fails with the value and the range. The sampling defaults of
+``generation_config.json`` are kept in :attr:`ModelConfig.generation_defaults`
+under :class:`~servelab.samplers.SamplingParams` names, the same fields vLLM
+reads (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, and ``max_new_tokens`` as ``max_tokens``);
+``do_sample`` is ignored as vLLM ignores it.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -38,6 +53,12 @@ _UNSUPPORTED_FIELDS = {
     "use_qk_norm": "query/key normalization",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json field -> SamplingParams field (vLLM's generation_config="auto" set).
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -54,9 +75,14 @@ class ModelConfig:
             j with p - j < w) or ``None`` for full attention.
         rope_type, rope_theta: RoPE variant and base; the scaling parameters
             are read from ``hf_config`` when the frequencies are computed.
-        eos_token_ids: all end-of-sequence ids the config lists (may be empty).
+        eos_token_ids: all end-of-sequence ids of ``config.json`` then of
+            ``generation_config.json`` (may be empty), each in ``[0, vocab_size)``.
         dtype: the checkpoint's declared dtype (``None`` if absent).
         hf_config: the transformers config object (kept for RoPE init).
+        generation_defaults: sampling defaults from ``generation_config.json``
+            under ``SamplingParams`` names (read-only; empty when none), e.g.
+            ``{"temperature": 0.6, "top_p": 0.9}``. Apply them with
+            ``SamplingParams(**config.generation_defaults)``.
     """
 
     arch: str
@@ -81,6 +107,7 @@ class ModelConfig:
     pad_token_id: int | None
     dtype: torch.dtype | None
     hf_config: Any = field(default=None, repr=False, compare=False)
+    generation_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
     @property
     def sliding_window(self) -> int | None:
@@ -89,13 +116,23 @@ class ModelConfig:
         return windows.pop() if len(windows) == 1 else None
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
+    def from_hf(cls, hf: Any, generation_config: Mapping[str, Any] | None = None) -> "ModelConfig":
         """Validate a ``transformers`` config object and flatten it.
+
+        Args:
+            hf: a transformers config (``LlamaConfig``...).
+            generation_config: the parsed ``generation_config.json`` (a dict or
+                a ``GenerationConfig``), whose EOS ids are added to the
+                config's and whose sampling fields become ``generation_defaults``.
 
         Raises:
             ValueError: naming the first unsupported field and its value.
         """
         model_type = getattr(hf, "model_type", None)
+        if model_type in ("gemma2", "qwen3"):  # their own features are checked there
+            from servelab.models.qwen3 import config_from_hf
+
+            return config_from_hf(hf, generation_config)
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -154,14 +191,18 @@ class ModelConfig:
                     raise ValueError(f"{name}={value!r} is not supported for model_type='mistral'")
 
         windows = _sliding_windows(hf, model_type, num_layers)
-        eos = getattr(hf, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        vocab_size = _pos_int(hf, "vocab_size")
+        gen = _generation_dict(generation_config)
+        eos_ids = tuple(dict.fromkeys(_eos_ids(getattr(hf, "eos_token_id", None), "config.json", vocab_size)
+                                      + _eos_ids(gen.get("eos_token_id"), GENERATION_CONFIG_FILE, vocab_size)))
+        defaults = {ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_FIELDS.items()
+                    if gen.get(theirs) is not None}
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
         return cls(
             arch=model_type,
-            vocab_size=_pos_int(hf, "vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=_pos_int(hf, "intermediate_size"),
             num_hidden_layers=num_layers,
@@ -182,21 +223,67 @@ class ModelConfig:
             pad_token_id=getattr(hf, "pad_token_id", None),
             dtype=dtype if isinstance(dtype, torch.dtype) else None,
             hf_config=hf,
+            generation_defaults=MappingProxyType(defaults),
         )
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read ``path/config.json`` with ``transformers.AutoConfig`` (local files only) and validate it."""
+    """Read and validate the config of a checkpoint folder or a GGUF file.
+
+    A folder: ``config.json`` through ``transformers.AutoConfig`` (local files
+    only) plus ``generation_config.json`` when present (EOS ids, sampling
+    defaults). A ``.gguf`` file, or a folder holding one and no
+    ``config.json``: the GGUF metadata (see :mod:`servelab.models.gguf`).
+    """
     from transformers import AutoConfig
 
+    from servelab.models.gguf import find_gguf_file, load_gguf_config
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_config(gguf_file)
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint folder: config.json not found")
     try:
         hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - unknown model_type, HF's own validators, bad JSON...
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    return ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(hf, read_generation_config(folder))
+
+
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    """``folder/generation_config.json`` as a dict ({} when absent); bad JSON -> ValueError naming the file."""
+    file = Path(folder) / GENERATION_CONFIG_FILE
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _generation_dict(generation_config: Any) -> dict[str, Any]:
+    if generation_config is None:
+        return {}
+    if isinstance(generation_config, Mapping):
+        return dict(generation_config)
+    if hasattr(generation_config, "to_dict"):  # a transformers GenerationConfig
+        return generation_config.to_dict()
+    raise TypeError(f"generation_config must be a dict or a GenerationConfig, got {type(generation_config).__name__}")
+
+
+def _eos_ids(value: Any, source: str, vocab_size: int) -> tuple[int, ...]:
+    """``eos_token_id`` (None, an int or a list of ints) as a tuple, each checked against the vocabulary."""
+    if value is None:
+        return ()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
+            raise ValueError(f"eos_token_id={value!r} in {source} is invalid: {item!r} is outside the "
+                             f"vocabulary; valid: ints in [0, {vocab_size}) (vocab_size={vocab_size})")
+    return tuple(items)
 
 
 def _rope_dict(hf: Any) -> dict:

@@ -8,12 +8,15 @@ some Qwen2 layers, tied embeddings, RoPE scaling), all read by
 The forward pass takes the flat token axis of a mixed batch (see
 :mod:`servelab.models.metadata`) and, in every layer, writes this step's K/V
 into that layer's paged cache with ``attention.reshape_and_cache`` and then
-reads the whole context back with ``attention.paged_attention`` — the two ops
-of DESIGN.md. ``attention`` is any object with those two methods: a backend
-from :func:`servelab.backends.get_attention_backend` (the default is
-``"torch"``, the references), the :mod:`servelab.reference` module itself, or
-a researcher's own. The metadata is passed explicitly instead of through a
-global "forward context" as in vLLM: easier to read and to call from a notebook.
+reads the whole context back with ``attention.paged_attention``.
+``attention`` is any object with those two methods: a backend from
+:func:`servelab.attention.backends.get_attention_backend` (``"sdpa"``,
+``"torch"`` — the references and the model's default — ``"triton"``, or
+``"auto"``), the :mod:`servelab.reference` module itself, or a researcher's
+own. The metadata is passed explicitly instead of through a global "forward
+context" as in vLLM: easier to read and to call from a notebook. A backend's
+per-step ``plan`` (index tensors, masks) is made once per forward and shared
+by every layer, and the metadata's values are checked on the first layer only.
 
 Parameter names follow HF (``model.layers.3.self_attn...``) except that
 ``q/k/v_proj`` are fused into ``qkv_proj`` and ``gate/up_proj`` into
@@ -35,17 +38,21 @@ from servelab.models.metadata import AttentionMetadata
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def resolve_attention(attention: Any = None) -> Any:
+def resolve_attention(attention: Any = None, device: torch.device | str | None = None) -> Any:
     """Turn ``None`` / a backend name / an object with the two ops into the ops object.
 
-    ``None`` means the PyTorch references (backend ``"torch"``); a string is
-    looked up with :func:`servelab.backends.get_attention_backend`.
+    ``None`` means the PyTorch references (backend ``"torch"``); ``"auto"``
+    means :func:`servelab.attention.backends.default_attention_backend` for
+    ``device`` (``"sdpa"`` on a CPU); any other string is looked up with
+    :func:`servelab.attention.backends.get_attention_backend`.
     """
     if attention is None:
         attention = "torch"
     if isinstance(attention, str):
-        from servelab.backends import get_attention_backend
+        from servelab.attention.backends import default_attention_backend, get_attention_backend
 
+        if attention == "auto":
+            attention = default_attention_backend(device if device is not None else "cpu")
         return get_attention_backend(attention)
     missing = [op for op in ("reshape_and_cache", "paged_attention") if not callable(getattr(attention, op, None))]
     if missing:
@@ -54,6 +61,57 @@ def resolve_attention(attention: Any = None) -> Any:
             f"{type(attention).__name__} lacks {', '.join(missing)}"
         )
     return attention
+
+
+class _StepAttention:
+    """Per-forward view of the attention ops: plans once per sliding window and
+    validates once per step, not once per layer.
+
+    For an :class:`~servelab.attention.backends.AttentionBackend` the first
+    layer goes through the public ops (capability gate, argument and value
+    checks); every later layer has the same shapes, dtypes and metadata, so it
+    calls the backend's implementation directly with ``check_inputs=False``
+    and the step's ``plan``. Any other ops object (the reference module, a
+    researcher's object) is called with the reference signature every layer.
+    """
+
+    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int) -> None:
+        from servelab.attention.backends import AttentionBackend
+
+        self.ops, self.metadata, self.block_size = ops, metadata, block_size
+        self.is_backend = isinstance(ops, AttentionBackend)
+        self.plans: dict[int | None, Any] = {}
+        self.checked_write = False
+        self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache) -> None:
+        slots = self.metadata.slot_mapping
+        if not self.is_backend:
+            return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+        if self.checked_write:
+            return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False)
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+        self.checked_write = True
+
+    def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
+        m = self.metadata
+        args = (query, key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc)
+        if not self.is_backend:
+            extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra)
+        if sliding_window not in self.plans:
+            self.plans[sliding_window] = self.ops.plan(m.block_table, m.seq_lens, m.query_start_loc,
+                                                       block_size=self.block_size, causal=True,
+                                                       sliding_window=sliding_window)
+        plan = self.plans[sliding_window]
+        extra = {} if plan is None else {"plan": plan}
+        if sliding_window not in self.checked_read:
+            self.checked_read.add(sliding_window)
+            return self.ops.paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
+                                            **extra)
+        return self.ops._paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
+                                         softcap=None, out=None, num_splits=None, return_lse=False,
+                                         check_inputs=False, **extra)
 
 
 class LlamaAttention(nn.Module):
@@ -74,8 +132,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                attention: Any) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -84,12 +141,9 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         # Write first: this step's queries attend to this step's keys too.
-        attention.reshape_and_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        extra = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
-        out = attention.paged_attention(
-            q, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, scale=self.scale, causal=True, **extra,
-        )
+        attention.reshape_and_cache(k, v, key_cache, value_cache)
+        out = attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
+                                        sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -104,10 +158,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, x, cos, sin, kv_cache, metadata, attention) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
         # Unfused residual adds (not vLLM's fused add+norm) so that bf16 rounds
         # exactly as HF does.
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -157,12 +211,19 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention(self) -> Any:
-        """The attention ops object; assigning a backend name or object resolves it."""
+        """The attention ops object; assigning a backend name or object resolves it
+        (``"auto"`` is resolved for the model's device when first read there)."""
+        if self._attention_auto and self._attention_device != self.device:
+            object.__setattr__(self, "_attention", resolve_attention("auto", self.device))
+            object.__setattr__(self, "_attention_device", self.device)
         return self._attention
 
     @attention.setter
     def attention(self, value: Any) -> None:
-        object.__setattr__(self, "_attention", resolve_attention(value))
+        auto = isinstance(value, str) and value == "auto"
+        object.__setattr__(self, "_attention_auto", auto)
+        object.__setattr__(self, "_attention_device", None)
+        object.__setattr__(self, "_attention", None if auto else resolve_attention(value))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,8 +260,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, attn_metadata.seq_lens, attn_metadata.query_start_loc,
                                    dtype=x.dtype)
+        attention = _StepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1)
         for layer, kv_cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata, self.attention)
+            x = layer(x, cos, sin, kv_cache, attention)
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

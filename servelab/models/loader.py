@@ -7,13 +7,22 @@ pickle), one at a time, cast to the model dtype and copied into place; HF's
 separate ``q/k/v_proj`` and ``gate/up_proj`` land in row ranges of the fused
 ``qkv_proj`` / ``gate_up_proj``. Every destination must be written exactly
 once: missing, unexpected, duplicated or mis-shaped tensors raise
-``ValueError`` naming the tensor.
+``ValueError`` naming the tensor, and so does a tensor holding NaN or
+infinity (after the cast to the model dtype: an overflow counts), since such
+a model would only ever emit garbage. A zero-byte, truncated or otherwise
+unreadable ``*.safetensors`` file raises ``ValueError`` naming the file, its
+size and the reader's complaint.
+
+:func:`load_model` also takes a ``.gguf`` file, or a folder holding one and
+no ``config.json`` (see :mod:`servelab.models.gguf`); its weights pass through
+the same checks.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,62 +72,117 @@ def _slices(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
 
 
-@torch.no_grad()
-def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Copy every tensor of the checkpoint at ``path`` into ``model``'s parameters.
+class _WeightCopier:
+    """Copies HF-named tensors into a model's (fused) parameters, checking each one."""
 
-    Raises:
-        ValueError: an unexpected tensor (not a parameter of this config), a
-            shape mismatch, a tensor present twice, or parameters left unset
-            (all named with their HF names).
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        # What is still to be written: (param, row range or None) per HF tensor name.
+        self.pending: dict[str, tuple[str, tuple[int, int] | None]] = {}
+        slices = _slices(model.config)
+        for pname in self.params:
+            mod, _, leaf = pname.rpartition(".")
+            fused = mod.rpartition(".")[2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                prefix = mod.rpartition(".")[0]
+                for hf_name, (target, piece) in _PACKED.items():
+                    if target == fused:
+                        self.pending[f"{prefix}.{hf_name}.{leaf}"] = (pname, slices[piece])
+            else:
+                self.pending[pname] = (pname, None)
+        self.seen: set[str] = set()
+
+    def wants(self, name: str) -> bool:
+        """False for tensors that are skipped on purpose (RoPE buffers, a tied head's copy)."""
+        return not (_IGNORED.search(name) or (name == "lm_head.weight" and self.model.lm_head is None))
+
+    def add(self, name: str, tensor: torch.Tensor, source: str) -> None:
+        config = self.model.config
+        if name in self.seen:
+            raise ValueError(f"tensor {name!r} appears twice in the checkpoint (again in {source})")
+        dest = self.pending.pop(name, None)
+        if dest is None:
+            raise ValueError(
+                f"unexpected tensor {name!r} in {source}: no such parameter in a "
+                f"{config.arch} model with this config"
+                + (" (bias given but the config has no bias there)" if name.endswith(".bias") else "")
+            )
+        pname, rows = dest
+        target = self.params[pname] if rows is None else self.params[pname][rows[0]:rows[1]]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"tensor {name!r} in {source} has shape {tuple(tensor.shape)}; the config "
+                f"implies {tuple(target.shape)}"
+            )
+        target.copy_(tensor.to(dtype=target.dtype))
+        finite = torch.isfinite(target)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            first = tuple(int(i) for i in (~finite).nonzero()[0])
+            raise ValueError(
+                f"tensor {name!r} in {source} has {bad} non-finite value(s) (NaN or inf once cast to "
+                f"{target.dtype}), the first at index {first}: the checkpoint is corrupt or overflows this dtype"
+            )
+        self.seen.add(name)
+
+    def finish(self, where: str) -> None:
+        if self.pending:
+            names = sorted(self.pending)
+            shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise ValueError(f"checkpoint {where!r} is missing {len(names)} tensor(s): {shown}")
+
+
+@torch.no_grad()
+def copy_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]], where: str) -> None:
+    """Copy ``(hf_name, tensor, source)`` triples into ``model`` with every check of :func:`load_weights`.
+
+    ``source`` names where the tensor came from (a file name) for messages;
+    ``where`` names the checkpoint in the "missing tensors" message.
     """
+    copier = _WeightCopier(model)
+    for name, tensor, source in tensors:
+        if copier.wants(name):
+            copier.add(name, tensor, source)
+    copier.finish(where)
+
+
+def _unreadable(file: Path, exc: BaseException) -> ValueError:
+    size = file.stat().st_size if file.exists() else None
+    what = ("the file is empty (0 bytes)" if size == 0 else
+            f"the file ({size} bytes) is truncated or corrupt" if size is not None else "the file disappeared")
+    return ValueError(f"cannot read safetensors file {str(file)!r}: {what}: {exc}. Re-download or re-save it.")
+
+
+def _safetensors_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Every tensor of the checkpoint folder, one at a time, with its file's name."""
     from safetensors import safe_open
 
-    config = model.config
-    params = dict(model.named_parameters())
-    # What is still to be written: (param, row range or None) per HF tensor name.
-    pending: dict[str, tuple[str, tuple[int, int] | None]] = {}
-    for pname in params:
-        mod, _, leaf = pname.rpartition(".")
-        fused = mod.rpartition(".")[2]
-        if fused in ("qkv_proj", "gate_up_proj"):
-            prefix = mod.rpartition(".")[0]
-            for hf_name, (target, piece) in _PACKED.items():
-                if target == fused:
-                    pending[f"{prefix}.{hf_name}.{leaf}"] = (pname, _slices(config)[piece])
-        else:
-            pending[pname] = (pname, None)
-    seen: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: both mean "bad file"
+            raise _unreadable(file, exc) from exc
+        with handle as f:
             for name in f.keys():
-                if _IGNORED.search(name):
-                    continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied: the head is the embedding (HF also ignores a saved copy)
-                if name in seen:
-                    raise ValueError(f"tensor {name!r} appears twice in the checkpoint (again in {file.name})")
-                dest = pending.pop(name, None)
-                if dest is None:
-                    raise ValueError(
-                        f"unexpected tensor {name!r} in {file.name}: no such parameter in a "
-                        f"{config.arch} model with this config"
-                        + (" (bias given but the config has no bias there)" if name.endswith(".bias") else "")
-                    )
-                pname, rows = dest
-                target = params[pname] if rows is None else params[pname][rows[0]:rows[1]]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}; the config "
-                        f"implies {tuple(target.shape)}"
-                    )
-                target.copy_(tensor.to(dtype=target.dtype))
-                seen.add(name)
-    if pending:
-        names = sorted(pending)
-        shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        raise ValueError(f"checkpoint {str(path)!r} is missing {len(names)} tensor(s): {shown}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:  # noqa: BLE001
+                    raise _unreadable(file, exc) from exc
+                yield name, tensor, file.name
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
+    """Copy every tensor of the checkpoint folder at ``path`` into ``model``'s parameters.
+
+    Raises:
+        ValueError: an unreadable safetensors file (named, with its size), an
+            unexpected tensor (not a parameter of this config), a shape
+            mismatch, a tensor present twice, a non-finite value, or
+            parameters left unset (all named with their HF names).
+    """
+    copy_weights(model, _safetensors_tensors(path), str(path))
 
 
 def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -131,9 +195,12 @@ def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu", attention: Any = None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for the checkpoint folder ``path`` and load its weights.
+    """Build the model for the checkpoint folder (or ``.gguf`` file) ``path`` and load its weights.
 
     Args:
+        path: a HF checkpoint folder (``config.json`` + ``*.safetensors``), a
+            ``.gguf`` file, or a folder holding one ``.gguf`` and no
+            ``config.json`` (needs ``pip install "servelab[gguf]"``).
         dtype: parameter / activation dtype: float32, bfloat16 or float16 (or
             their names). Default: float32 on CPU, else the checkpoint's dtype
             if half precision, else float32.
@@ -143,13 +210,21 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     Returns:
         ``(model, config)`` with the model in eval mode.
     """
+    from servelab.models.gguf import find_gguf_file, gguf_tensors
+
+    gguf_file = find_gguf_file(path)
     config = load_config(path)
     device = torch.device(device)
     dtype = _resolve_model_dtype(dtype) if dtype is not None else _default_dtype(config, device)
     # Build on the meta device: no time spent initializing weights we overwrite.
-    model = LlamaForCausalLM(config, attention, dtype=dtype, device="meta")
+    from servelab.models.qwen3 import model_class_for  # Llama, Qwen2, Mistral, Qwen3, Gemma 2
+
+    model = model_class_for(config)(config, attention, dtype=dtype, device="meta")
     model = model.to_empty(device=device)
-    load_weights(model, path)
+    if gguf_file is None:
+        load_weights(model, path)
+    else:
+        copy_weights(model, gguf_tensors(gguf_file), str(gguf_file))
     return model.eval().requires_grad_(False), config
 
 

@@ -7,6 +7,10 @@ special tokens), so ``transformers.AutoTokenizer.from_pretrained(path)`` loads
 it. Byte-level means every string is encodable (no unknown token) and every
 id sequence decodes, which the detokenizer tests rely on.
 
+:func:`load_tokenizer` loads the tokenizer of any checkpoint folder or
+``.gguf`` file, and returns ``None`` (with a warning) for a folder that has
+no tokenizer files.
+
 Special tokens sit at fixed ids: ``<pad>`` = 0, ``<s>`` (BOS) = 1, ``</s>``
 (EOS) = 2. Encoding prepends BOS, as Llama tokenizers do.
 """
@@ -14,6 +18,7 @@ Special tokens sit at fixed ids: ``<pad>`` = 0, ``<s>`` (BOS) = 1, ``</s>``
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
@@ -113,11 +118,37 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int = 512, corpus: str | 
     return len(fast)
 
 
+# Files any of which means "this folder has a tokenizer" (fast, SentencePiece, BPE, WordPiece layouts).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "merges.txt")
+
+
 def load_tokenizer(path: str | Path):
-    """``transformers.AutoTokenizer`` for a local checkpoint folder (never the network)."""
+    """The tokenizer of a local checkpoint folder or ``.gguf`` file (never the network), or ``None``.
+
+    A research checkpoint often ships weights and ``config.json`` only: when
+    the folder holds none of :data:`TOKENIZER_FILES`, this warns and returns
+    ``None`` — the model still runs on token-id prompts, and a pipeline built
+    without a tokenizer says so if it is handed text. A tokenizer that is
+    present but cannot be built raises ``ValueError`` naming the folder.
+    """
     from transformers import AutoTokenizer
 
+    from servelab.models.gguf import find_gguf_file, load_gguf_tokenizer
+
     folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"tokenizer path {str(path)!r} is not a directory")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not folder.exists():
+        raise ValueError(f"tokenizer path {str(path)!r} does not exist")
+    has_files = folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
+    # A .gguf file, or a folder that is only a GGUF's home (same rule as load_model).
+    if folder.is_file() or (not has_files and not (folder / "config.json").is_file() and any(folder.glob("*.gguf"))):
+        return load_gguf_tokenizer(find_gguf_file(folder))
+    if not has_files:
+        warnings.warn(f"{str(folder)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): loaded "
+                      "without a tokenizer, so prompts must be token ids and outputs carry no text",
+                      stacklevel=2)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - missing backends, bad JSON...: say which folder
+        raise ValueError(f"cannot load the tokenizer in {str(folder)!r}: {exc}") from exc

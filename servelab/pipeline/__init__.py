@@ -1,12 +1,16 @@
 """The pipeline: glue that turns the components into a serving engine.
 
 - :mod:`~servelab.pipeline.pipeline`: ``Pipeline`` (``from_pretrained``,
-  ``generate``, ``stream``, ``add_request`` / ``step``).
+  ``generate``, ``chat``, ``stream``, ``add_request`` / ``step``).
+- :mod:`~servelab.pipeline.setup`: the pieces built from a
+  :class:`~servelab.config.PipelineConfig` (attention ``"auto"``, KV cache
+  manager, drafter); :mod:`~servelab.pipeline.sizing`: the default KV pool
+  size and peak memory.
+- :mod:`~servelab.pipeline.inputs`: prompts, batch arguments, chat templates.
 - :mod:`~servelab.pipeline.runner`: ``ModelRunner`` — ``SchedulerOutput`` to
-  model inputs (persistent block table, slot mapping), sampling, draft
-  verification, next drafts.
-- :mod:`~servelab.pipeline.drafting`: ``DraftModelDrafter`` (a small model with
-  its own paged KV cache) and ``resolve_drafter``.
+  model inputs (persistent block table, slot mapping), and
+  :mod:`~servelab.pipeline.sampling_steps`: sampling, draft verification,
+  next drafts, each request isolated from the others' failures.
 - :mod:`~servelab.pipeline.detokenizer`: incremental detokenizer with stop strings.
 - :mod:`~servelab.pipeline.outputs`: ``GenerationOutput``, ``StreamEvent``.
 - :mod:`~servelab.pipeline.metrics`: ``RunMetrics`` (per run and per step).
@@ -14,11 +18,12 @@
 """
 
 from servelab.pipeline.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from servelab.pipeline.drafting import DraftModelDrafter, DraftRequest, resolve_drafter
 from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
-from servelab.pipeline.pipeline import Pipeline, default_num_blocks
+from servelab.pipeline.pipeline import Pipeline
 from servelab.pipeline.runner import CachedRequestState, ModelRunner
+from servelab.pipeline.sizing import default_num_blocks, peak_rss_bytes
+from servelab.samplers.drafters import DraftModelDrafter, DraftRequest, resolve_drafter  # their home; kept here too
 
 
 def plot_report(run_metrics, path, title: str = ""):
@@ -31,5 +36,5 @@ def plot_report(run_metrics, path, title: str = ""):
 __all__ = [
     "CachedRequestState", "DetokenizerDelta", "DraftModelDrafter", "DraftRequest", "GenerationOutput",
     "IncrementalDetokenizer", "MetricsRecorder", "ModelRunner", "Pipeline", "RunMetrics", "StreamEvent",
-    "default_num_blocks", "plot_report", "resolve_drafter",
+    "default_num_blocks", "peak_rss_bytes", "plot_report", "resolve_drafter",
 ]

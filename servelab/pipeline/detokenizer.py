@@ -15,6 +15,19 @@ Turning token ids into a text *stream* has two traps:
    begin a stop string. When a stop string completes, the text is cut before
    it (or after it, with ``include_stop_str_in_output``) and the request stops.
 
+Stop strings see special tokens. With ``skip_special_tokens`` (the default)
+the streamed text leaves special tokens out, but ``stop=["<|im_end|>"]``
+must still fire when the model emits ``<|im_end|>``. So stop strings are
+matched against a *match text*: the output text with each generated special
+token's literal text (``"<|im_end|>"``, ``"</s>"``...) inserted where it
+occurred. The visible text is cut before the stop string (whose special
+literals it never contained); with ``include_stop_str_in_output`` the stop
+string follows verbatim. With ``skip_special_tokens=False`` the literals are
+in the text already and the two texts coincide. A stop string made only of
+ordinary characters therefore behaves exactly as before; for ending on a
+special token no matter the text, ``SamplingParams.stop_token_ids`` remains
+the cheaper tool (the scheduler checks ids, no decoding).
+
 Stop *token ids*, EOS and ``min_tokens`` are the scheduler's business; stop
 strings are checked here, and only once ``min_tokens`` outputs exist.
 """
@@ -85,6 +98,11 @@ class IncrementalDetokenizer:
         self.output_text = ""  # all text decoded so far (minus anything after a stop)
         self._num_emitted = 0  # characters of output_text already streamed
         self.stop_string: str | None = None
+        # Stop matching: output_text with the literals of skipped special tokens
+        # inserted; _inserted holds (position in _match_text, literal length).
+        self._match_text = ""
+        self._inserted: list[tuple[int, int]] = []
+        self._special = _special_literals(tokenizer) if self.stop and skip_special_tokens else {}
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,9 +130,17 @@ class IncrementalDetokenizer:
             raise ValueError("update() after a stop string ended the request")
         for token_id in new_token_ids:
             self._ids.append(token_id)
-            previous_len = len(self.output_text)
-            self.output_text += self._decode_new_tokens()
-            if self.stop and self.num_output_tokens >= self.min_tokens and self._find_stop(previous_len):
+            previous_len = len(self._match_text)
+            new_text = self._decode_new_tokens()
+            self.output_text += new_text
+            if not self.stop:
+                continue
+            self._match_text += new_text
+            literal = self._special.get(token_id)
+            if literal:
+                self._inserted.append((len(self._match_text), len(literal)))
+                self._match_text += literal
+            if self.num_output_tokens >= self.min_tokens and self._find_stop(previous_len):
                 break  # tokens after a stop string are dropped
         if self.finished:
             return DetokenizerDelta(self._take(len(self.output_text)), self.stop_string)
@@ -125,14 +151,16 @@ class IncrementalDetokenizer:
         # either checked already or came before min_tokens.
         best = None
         for s in self.stop:
-            at = self.output_text.find(s, max(new_text_start - len(s) + 1, 0))
+            at = self._match_text.find(s, max(new_text_start - len(s) + 1, 0))
             # earliest start wins; at the same start, the longer string
             if at != -1 and (best is None or (at, -len(s)) < (best[0], -len(best[1]))):
                 best = (at, s)
         if best is None:
             return False
         at, s = best
-        self.output_text = self.output_text[: at + len(s) if self.include_stop_str_in_output else at]
+        # Match-text position -> output_text position: drop the inserted literals before it.
+        cut = at - sum(min(length, max(at - pos, 0)) for pos, length in self._inserted)
+        self.output_text = self.output_text[:cut] + (s if self.include_stop_str_in_output else "")
         self.stop_string = s
         return True
 
@@ -145,3 +173,17 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._num_emitted:upto]
         self._num_emitted = upto
         return delta
+
+
+def _special_literals(tokenizer: Any) -> dict[int, str]:
+    """Special token id -> its literal text, for the ids a skipping decode leaves out."""
+    ids: set[int] = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    literals = {}
+    for i in ids:
+        if tokenizer.decode([i], skip_special_tokens=True) == "":
+            literal = tokenizer.decode([i], skip_special_tokens=False)
+            if literal:
+                literals[i] = literal
+    return literals

@@ -9,7 +9,12 @@ one can be laid side by side: latencies over requests that finished normally
 token; ITL between consecutive tokens (tokens accepted together in one step
 are 0 apart); TPOT = (last - first token time) / (tokens - 1); prefix-cache
 hit rate = prompt tokens found cached on each request's first admission / all
-prompt tokens. Throughput: output tokens of the run / wall time of the run.
+prompt tokens. Throughput counts only work that was delivered: output tokens
+of requests that did not fail (``finish_reason != "error"``) / wall time, and
+requests that finished normally / wall time — a run where every request
+fails has throughput 0, whatever its speed. Memory: the process's peak
+resident set size (``peak_rss_bytes``, the whole process so far, not only
+this run) beside the KV pool's size (``kv_cache_bytes``).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ class RunMetrics:
     per scheduler step; ``StepCostModel.from_run`` fits the simulator's cost
     model to them; ``kv_usage`` is the
     fraction of usable KV blocks held right after scheduling (the step's peak).
-    ``acceptance_rate`` is None without speculative decoding (or when no draft
-    was verified); ``acceptance_by_position[j]`` is, among request-steps that
+    ``acceptance_rate`` is None without speculative decoding (``speculative``
+    False) or when speculation is on but no draft was verified (nothing
+    proposed); ``acceptance_by_position[j]`` is, among request-steps that
     proposed a draft at position ``j``, the fraction whose drafts ``0..j`` were
     all accepted (so it falls with ``j``).
     """
@@ -69,6 +75,11 @@ class RunMetrics:
     scheduled_tokens: list[int]
     step_times: list[float]
     kv_tokens: list[int] = field(default_factory=list)
+    speculative: bool = False
+    peak_rss_bytes: int = 0
+    kv_cache_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    """The distinct error messages of failed requests (first 10)."""
     ttft_values: list[float] = field(repr=False, default_factory=list)
     itl_values: list[float] = field(repr=False, default_factory=list)
     tpot_values: list[float] = field(repr=False, default_factory=list)
@@ -80,9 +91,14 @@ class RunMetrics:
         return self.finish_reasons.get("error", 0)
 
     @property
+    def num_completed(self) -> int:
+        """Requests that finished normally ("stop" or "length")."""
+        return sum(self.finish_reasons.get(r, 0) for r in _NORMAL)
+
+    @property
     def request_throughput(self) -> float:
-        """Finished requests per second of wall time."""
-        return self.num_requests / self.wall_time_s if self.wall_time_s > 0 else 0.0
+        """Requests that finished normally per second of wall time (failures do not count)."""
+        return self.num_completed / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     @property
     def mean_kv_usage(self) -> float:
@@ -101,7 +117,7 @@ class RunMetrics:
 
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.finish_reasons.items()))
         if self.acceptance_rate is None:
-            accept = "n/a (no speculative decoding)"
+            accept = "n/a (speculation on, nothing proposed)" if self.speculative else "n/a (no speculative decoding)"
         else:
             by_pos = ", ".join(f"{100 * a:.0f}%" for a in self.acceptance_by_position)
             accept = f"{100 * self.acceptance_rate:.1f} % (by position: {by_pos})"
@@ -121,7 +137,11 @@ class RunMetrics:
             ("KV usage mean / peak", f"{100 * self.mean_kv_usage:.1f} % / "
                                      f"{100 * max(self.kv_usage, default=0.0):.1f} %"),
             ("batch size mean / max", f"{self.mean_batch_size:.1f} / {max(self.batch_sizes, default=0)}"),
+            ("memory: peak RSS / KV pool", f"{_mib(self.peak_rss_bytes)} / {_mib(self.kv_cache_bytes)}"),
         ]
+        if self.errors:
+            rows.append(("first error", self.errors[0] if len(self.errors) == 1 else
+                         f"{self.errors[0]} (+{len(self.errors) - 1} other messages)"))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -139,9 +159,21 @@ class RunMetrics:
             return value
 
         out = {f.name: clean(getattr(self, f.name)) for f in fields(self) if f.name != "requests"}
-        out.update(num_errors=self.num_errors, request_throughput=self.request_throughput,
+        out.update(num_errors=self.num_errors, num_completed=self.num_completed,
+                   request_throughput=self.request_throughput,
                    mean_kv_usage=self.mean_kv_usage, mean_batch_size=self.mean_batch_size)
         return out
+
+
+def _mib(num_bytes: int) -> str:
+    """A byte count for people: ``"436 MiB"``, ``"1.21 GiB"``, ``"96 KiB"`` (``"n/a"`` for 0: unknown)."""
+    if not num_bytes:
+        return "n/a"
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if num_bytes >= 1 << shift:
+            value = num_bytes / (1 << shift)
+            return f"{value:.2f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{num_bytes / 1024:.0f} KiB"
 
 
 class MetricsRecorder:
@@ -162,6 +194,7 @@ class MetricsRecorder:
         self.kv_tokens: list[int] = []
         self.acceptance = AcceptanceStats()
         self.requests: list[RequestMetrics] = []
+        self.errors: list[str] = []
 
     def record_step(self, kv_usage: float, batch_size: int, scheduled_tokens: int, step_time: float,
                     verification: Sequence[tuple[int, int]] = (), kv_tokens: int = 0) -> None:
@@ -173,10 +206,13 @@ class MetricsRecorder:
         if verification:
             self.acceptance.update([d for d, _ in verification], [a for _, a in verification])
 
-    def record_request(self, metrics: RequestMetrics) -> None:
+    def record_request(self, metrics: RequestMetrics, error: str | None = None) -> None:
         self.requests.append(metrics)
+        if error is not None and error not in self.errors and len(self.errors) < 10:
+            self.errors.append(error)
 
-    def finish(self, end_time: float) -> RunMetrics:
+    def finish(self, end_time: float, *, peak_rss_bytes: int = 0, kv_cache_bytes: int = 0) -> RunMetrics:
+        """Summarise the run up to ``end_time``; memory figures are passed in by the pipeline."""
         reqs = self.requests
         ok = [m for m in reqs if m.finish_reason in _NORMAL]
         ttft = [m.ttft for m in ok if m.ttft is not None]
@@ -185,6 +221,7 @@ class MetricsRecorder:
         itl = [gap for m in ok for gap in m.itl]
         wall = max(end_time - self.start_time, 1e-12)
         output_tokens = sum(m.num_output_tokens for m in reqs)
+        delivered = sum(m.num_output_tokens for m in reqs if m.finish_reason != "error")
         prompt_tokens = sum(m.num_prompt_tokens for m in reqs)
         stats = self.acceptance
         verified = self.speculative and stats.num_draft_tokens > 0
@@ -195,7 +232,7 @@ class MetricsRecorder:
             wall_time_s=wall,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
-            throughput_tok_s=output_tokens / wall,
+            throughput_tok_s=delivered / wall,
             ttft=LatencySummary.of(ttft), itl=LatencySummary.of(itl), tpot=LatencySummary.of(tpot),
             e2e=LatencySummary.of(e2e),
             prefix_cache_hit_rate=(sum(m.num_cached_tokens for m in reqs) / prompt_tokens) if prompt_tokens else 0.0,
@@ -206,7 +243,8 @@ class MetricsRecorder:
             num_draft_tokens=stats.num_draft_tokens,
             num_accepted_tokens=stats.num_accepted_tokens,
             kv_usage=self.kv_usage, batch_sizes=self.batch_sizes, scheduled_tokens=self.scheduled_tokens,
-            step_times=self.step_times, kv_tokens=self.kv_tokens,
+            step_times=self.step_times, kv_tokens=self.kv_tokens, speculative=self.speculative,
+            peak_rss_bytes=int(peak_rss_bytes), kv_cache_bytes=int(kv_cache_bytes), errors=list(self.errors),
             ttft_values=ttft, itl_values=itl, tpot_values=tpot, e2e_values=e2e, requests=list(reqs),
         )
 

@@ -2,25 +2,40 @@
 
 One step is ``schedule() -> ModelRunner.execute() -> update_from_output()``,
 then each request's new tokens go through its incremental detokenizer (stop
-strings). Every component is a constructor argument with a default:
+strings). Every setting lives in one :class:`~servelab.config.PipelineConfig`
+(keyword arguments fill it); components can also be passed as objects:
 
->>> pipe = Pipeline.from_pretrained(path, attention_backend="torch", drafter="ngram", num_speculative_tokens=3)
+>>> pipe = Pipeline.from_pretrained(path, drafter="ngram", num_speculative_tokens=3, verifier="typical")
 >>> outs = pipe.generate(["The cache", "On a quiet morning"], SamplingParams(temperature=0, max_tokens=32))
 >>> print(outs[0].text, outs[0].finish_reason, outs[0].metrics.ttft)
 >>> print(pipe.last_run_metrics.table())
 
-Three levels of use: ``generate`` (a batch, outputs in prompt order),
-``stream`` (an iterator of :class:`StreamEvent`), and ``add_request`` /
-``step`` / ``abort_request`` (drive the loop yourself; ``run_metrics()`` reads
-the metrics so far).
+Three levels of use: ``generate`` / ``chat`` (a batch, outputs in prompt
+order), ``stream`` (an iterator of :class:`StreamEvent`), and ``add_request``
+/ ``step`` / ``abort_request`` (drive the loop yourself; ``run_metrics()``
+reads the metrics so far).
 
-Requests end exactly once. Bad input (empty prompt, prompt over
-``max_model_len``, token ids outside the vocabulary, sampling params that do
-not fit the model) fails *that* request with ``finish_reason="error"`` and a
-message; the others run. A stop string ends the request through the
-scheduler's ``abort_request`` (which frees its blocks) and is reported as
-``"stop"``. When a call returns, or a stream is closed early, every request
-it added has ended and released its KV blocks.
+**Requests end exactly once, and one request's failure touches no other.**
+Bad input (empty prompt, prompt over ``max_model_len``, token ids outside the
+vocabulary, sampling params that do not fit the model:
+``SamplingParams.validate_for_model``) fails *that* request when it is added,
+with ``finish_reason="error"`` and a message. User code that raises at
+sampling time (a logits processor, the sampler, the verifier, the drafter)
+fails the requests it was called for (see :class:`ModelRunner`); the others
+run. A stop string ends the request through the scheduler's
+``finish_request(..., FINISHED_STOPPED)`` (not an abort).
+
+**A step is a transaction.** KV blocks become findable by prefix lookup only
+after the step that wrote them succeeded (the block layer's rule). If the
+model forward raises an ``Exception``, the step is rolled back
+(``Scheduler.rollback_step``) and its requests fail with the error; the
+engine keeps serving. If it is interrupted (``KeyboardInterrupt``, any
+``BaseException``), the step is rolled back — its requests go back to the
+waiting queue, the runner forgets their rows — and the interrupt is
+re-raised; a ``generate`` or ``stream`` call being interrupted then aborts
+what it started, so the next call's output equals a fresh pipeline's. When a
+call returns, or a stream is closed early, every request it added has ended
+and released its KV blocks.
 """
 
 from __future__ import annotations
@@ -34,19 +49,35 @@ from typing import Any
 
 import torch
 
-from servelab.blocks import KVCacheManager
-from servelab.models import allocate_kv_caches, kv_cache_spec, load_model, load_tokenizer
+from servelab.config import PipelineConfig
+from servelab.models import allocate_kv_caches, load_model, load_tokenizer
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
-from servelab.pipeline.drafting import DraftModelDrafter, resolve_drafter
+from servelab.pipeline.inputs import (
+    RenderedPrompt,
+    batch_arguments,
+    conversations_of,
+    prompt_token_ids,
+    render_chat,
+    request_params,
+)
 from servelab.pipeline.metrics import MetricsRecorder, ProgressBar, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
 from servelab.pipeline.runner import ModelRunner
+from servelab.pipeline.setup import (
+    attach_attention,
+    build_drafter,
+    build_kv_cache_manager,
+    check_attention,
+    check_manager,
+    resolve_max_model_len,
+)
+from servelab.pipeline.sizing import peak_rss_bytes
 from servelab.samplers import Sampler, SamplingParams
-from servelab.scheduling import Request, RequestMetrics, RequestOutput, Scheduler, SchedulerConfig
+from servelab.samplers.structured import StructuredOutputManager
+from servelab.samplers.verifiers import get_verifier
+from servelab.scheduling import Request, RequestMetrics, RequestOutput, RequestStatus, Scheduler
 
-DEFAULT_KV_CACHE_BYTES = 2 << 30
-"""KV memory budget when ``num_blocks`` is None and no budget is given (2 GiB)."""
-_MASK63 = (1 << 63) - 1
+_CACHE_SETTINGS = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "eviction_policy")
 
 
 @dataclass
@@ -57,265 +88,247 @@ class _Tracked:
     done: bool = False
 
 
-def default_num_blocks(spec: Any, num_layers: int, *, max_model_len: int, max_num_seqs: int,
-                       num_speculative_tokens: int = 0, kv_cache_memory_bytes: int | None = None) -> int:
-    """Blocks (null block included) for ``max_num_seqs`` requests of ``max_model_len``
-    tokens (+ draft lookahead) each, capped by ``kv_cache_memory_bytes`` (default
-    :data:`DEFAULT_KV_CACHE_BYTES`) over all layers; at least 2."""
-    per_seq = -(-(max_model_len + num_speculative_tokens) // spec.block_size)
-    wanted = max_num_seqs * per_seq + 1
-    budget = DEFAULT_KV_CACHE_BYTES if kv_cache_memory_bytes is None else int(kv_cache_memory_bytes)
-    affordable = budget // (spec.page_size_bytes * num_layers)
-    return max(min(wanted, affordable), 2)
-
-
 class Pipeline:
     """A serving engine over one model (see the module docstring).
 
     Args:
         model: a :class:`servelab.models.LlamaForCausalLM`.
         tokenizer: a Hugging Face tokenizer, or None (then prompts must be token
-            ids, outputs have no text and stop strings are refused).
-        attention_backend: None (keep the model's), a backend name ("torch",
-            "triton") or an ops object; assigned to ``model.attention``.
-        kv_cache_manager: a ready :class:`~servelab.blocks.KVCacheManager`; by
-            default one is built from ``block_size``, ``num_blocks`` and
-            ``enable_prefix_caching``.
-        num_blocks: KV pool size (null block included). None: enough for
-            ``max_num_seqs`` requests of ``max_model_len`` tokens, capped by
-            ``kv_cache_memory_bytes`` (default 2 GiB); see :func:`default_num_blocks`.
-        scheduler_config: a :class:`SchedulerConfig`; by default built from
-            ``max_num_seqs``, ``max_num_batched_tokens``,
-            ``long_prefill_token_threshold``, ``max_model_len`` and
-            ``num_speculative_tokens`` (chunked prefill on).
-        policy: scheduling policy name or object ("fcfs", "priority", "sjf", "vtc").
-        max_model_len: None: the model's ``max_position_embeddings``.
-        sampler: a :class:`Sampler` (default ``Sampler()``).
-        drafter: None, "ngram", a draft checkpoint folder, or a ``Drafter``.
-        num_speculative_tokens: drafts per request and step (>= 1 with a drafter).
-        seed: base seed. A random-sampling request without its own seed gets
-            one derived from (``seed``, its arrival number), so a run is
-            reproducible from a fresh pipeline; None leaves those to torch's
-            global RNG.
+            ids, outputs have no text, stop strings and ``chat`` are refused).
+        config: a :class:`~servelab.config.PipelineConfig` (default: all defaults).
+        kv_cache_manager: a ready KV cache manager (a
+            :class:`~servelab.blocks.KVCacheManager`, the reference one, or
+            your own with the same interface); its block size and pool size
+            are used, so the cache settings must not be given with it.
+        sampler: a ``Sampler`` (default ``Sampler()``).
         clock: time source for metrics (seconds).
+        **settings: flat settings of :class:`PipelineConfig` overriding
+            ``config`` (``block_size=8``, ``policy="sjf"``, ``verifier="typical"``...;
+            :func:`servelab.config.flat_names` lists them). An unknown name
+            raises ``TypeError`` listing the valid ones. ``attention_backend``
+            (default ``"auto"``) replaces the model's own.
+
+    Attributes: ``config`` (the resolved config), ``model``, ``tokenizer``,
+    ``kv_cache_manager``, ``scheduler``, ``runner``, ``sampler``,
+    ``verifier``, ``drafter``, ``attention_backend`` (the backend's name),
+    ``max_model_len``, ``block_size``, ``num_blocks``, ``kv_cache_bytes``.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, attention_backend: Any = None,
-                 kv_cache_manager: KVCacheManager | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
-                 scheduler_config: SchedulerConfig | None = None, policy: Any = "fcfs", max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, long_prefill_token_threshold: int = 0,
-                 max_model_len: int | None = None, sampler: Sampler | None = None, drafter: Any = None,
-                 num_speculative_tokens: int = 0, seed: int | None = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, model: Any, tokenizer: Any = None, *, config: PipelineConfig | None = None,
+                 kv_cache_manager: Any = None, sampler: Sampler | None = None,
+                 clock: Callable[[], float] = time.perf_counter, **settings: Any) -> None:
+        self.config = self._resolve_config(config, settings, kv_cache_manager)
+        self._attach_model(model, tokenizer, clock)
+        self._build_kv_cache(kv_cache_manager)
+        self._build_scheduler()
+        self._build_runner(sampler)
+        self._tracked: dict[str, _Tracked] = {}
+        self._events: list[StreamEvent] = []
+        self._counter = itertools.count()
+        self._recorder = self._new_recorder()
+        self.last_run_metrics: RunMetrics | None = None
+        self.last_outputs: list[GenerationOutput] = []
+
+    # ---- construction steps --------------------------------------------------------
+
+    @staticmethod
+    def _resolve_config(config: Any, settings: dict[str, Any], kv_cache_manager: Any) -> PipelineConfig:
+        if config is None:
+            config = PipelineConfig()
+        elif not isinstance(config, PipelineConfig):
+            raise TypeError(f"config must be a servelab.PipelineConfig, got {type(config).__name__}")
+        given = sorted(set(settings) & set(_CACHE_SETTINGS))
+        if kv_cache_manager is not None and given:
+            raise ValueError(f"{', '.join(given)} given together with kv_cache_manager; the manager's own block "
+                             "size, pool and caching are used, so leave these settings out")
+        return config.replace(**settings)
+
+    def _attach_model(self, model: Any, tokenizer: Any, clock: Callable[[], float]) -> None:
         if not hasattr(model, "compute_logits") or not hasattr(model, "config"):
             raise TypeError(f"model must be a servelab LlamaForCausalLM, got {type(model).__name__}")
-        if attention_backend is not None:
-            model.attention = attention_backend
-        model.check_inputs = False  # prompts are validated here, once, not in every forward
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
         cfg = model.config
         self.model, self.tokenizer, self.model_config, self.clock = model, tokenizer, cfg, clock
         self.vocab_size: int = cfg.vocab_size
         eos = tuple(cfg.eos_token_ids)
         self.eos_token_id: int | None = eos[0] if eos else None
         self._extra_eos = eos[1:]
+        self.seed = self.config.seed
+        self._default_params: SamplingParams | None = None
+        self._pending: list[RequestOutput] = []  # outputs an interrupted step could not deliver
+        self.num_speculative_tokens = self.config.speculative.num_speculative_tokens
+        model.check_inputs = False  # prompts are validated here, once, not in every forward
 
-        if scheduler_config is not None:
-            if num_speculative_tokens and num_speculative_tokens != scheduler_config.num_speculative_tokens:
-                raise ValueError(f"num_speculative_tokens={num_speculative_tokens} contradicts scheduler_config."
-                                 f"num_speculative_tokens={scheduler_config.num_speculative_tokens}; give one")
-            num_speculative_tokens = scheduler_config.num_speculative_tokens
-            max_model_len = scheduler_config.max_model_len
-        if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not \
-                0 < max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len!r} is invalid; valid: an int in "
-                             f"[1, {cfg.max_position_embeddings}] (the model's max_position_embeddings)")
-        k = num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 0")
-        if (drafter is None) != (k == 0):
-            raise ValueError(f"drafter={drafter!r} with num_speculative_tokens={k}: speculative decoding needs "
-                             "both a drafter ('ngram', a draft-model folder or a Drafter) and "
-                             "num_speculative_tokens >= 1, or neither")
-        self.max_model_len = max_model_len
-        self.num_speculative_tokens = k
-
-        if kv_cache_manager is None:
-            spec = kv_cache_spec(model, block_size, model.dtype)
-            if num_blocks is None:
-                num_blocks = default_num_blocks(spec, cfg.num_hidden_layers, max_model_len=max_model_len,
-                                                max_num_seqs=max_num_seqs, num_speculative_tokens=k,
-                                                kv_cache_memory_bytes=kv_cache_memory_bytes)
-            kv_cache_manager = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=max_model_len)
+    def _build_kv_cache(self, manager: Any) -> None:
+        """The KV cache manager (given or built), the paged buffers, the attention backend."""
+        model = self.model
+        self.max_model_len = resolve_max_model_len(self.config, model, manager)
+        if manager is None:
+            manager = build_kv_cache_manager(self.config, model, self.max_model_len)
         else:
-            spec = kv_cache_manager.spec
-            want = (cfg.num_key_value_heads, cfg.head_dim)
-            if (getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)) != want:
-                raise ValueError(f"kv_cache_manager.spec {spec!r} does not fit the model: it needs "
-                                 f"num_kv_heads={want[0]}, head_size={want[1]}")
-            block_size, num_blocks = kv_cache_manager.block_size, kv_cache_manager.block_pool.num_blocks
-        self.kv_cache_manager = kv_cache_manager
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype=getattr(spec, "dtype", None))
-        self._check_attention()
+            check_manager(manager, model)
+            self.config = self.config.replace(block_size=manager.block_size,
+                                              num_blocks=manager.block_pool.num_blocks,
+                                              enable_prefix_caching=bool(manager.enable_caching))
+        self.kv_cache_manager = manager
+        self.block_size, self.num_blocks = manager.block_size, manager.block_pool.num_blocks
+        self.attention_backend = attach_attention(model, self.config.attention_backend, self.block_size)
+        self.kv_caches = allocate_kv_caches(model, self.num_blocks, self.block_size,
+                                            dtype=getattr(manager.spec, "dtype", None))
+        self.kv_cache_bytes = int(self.kv_caches.buffer.numel() * self.kv_caches.buffer.element_size()) \
+            if hasattr(self.kv_caches, "buffer") else 0
+        check_attention(model, self.kv_caches.views[0][0])
 
-        if scheduler_config is None:
-            scheduler_config = SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-                num_speculative_tokens=k)
-        self.scheduler = Scheduler(scheduler_config, kv_cache_manager, policy, clock=clock)
+    def _build_scheduler(self) -> None:
+        """The scheduler, with the ``SchedulerConfig`` derived from :attr:`config`."""
+        self.scheduler_config = self.config.scheduler_config(self.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.config.scheduler.policy,
+                                   clock=self.clock)
+
+    def _build_runner(self, sampler: Sampler | None) -> None:
+        """Sampler, verifier, drafter, and the model runner that calls them."""
+        spec = self.config.speculative
         self.sampler = sampler if sampler is not None else Sampler()
-        self.drafter = resolve_drafter(drafter, dtype=model.dtype, device=model.device,
-                                       attention=model.attention, block_size=block_size)
-        if isinstance(self.drafter, DraftModelDrafter):
-            if self.drafter.vocab_size > self.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({self.drafter.vocab_size}) is larger than the "
-                                 f"target's ({self.vocab_size}); they must share the tokenizer")
-            if self.drafter.kv_caches is None:
-                # As many tokens as the target pool, plus each request's lookahead.
-                extra = scheduler_config.max_num_seqs * (-(-k // self.drafter.block_size) + 1)
-                self.drafter.allocate(self.drafter.num_blocks or num_blocks + extra)
-        self.runner = ModelRunner(model, self.kv_caches, block_size, max_model_len=max_model_len,
-                                  sampler=self.sampler, drafter=self.drafter, num_speculative_tokens=k,
-                                  max_num_reqs=scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id)
-        self.seed = seed
-        self._tracked: dict[str, _Tracked] = {}
-        self._events: list[StreamEvent] = []
-        self._counter = itertools.count()
-        self._recorder = MetricsRecorder(clock(), speculative=k > 0)
-        self.last_run_metrics: RunMetrics | None = None
-        self.last_outputs: list[GenerationOutput] = []
-
-    def _check_attention(self) -> None:
-        """Fail now, with the backend's reason, rather than in the first forward."""
-        supports = getattr(self.model.attention, "supports", None)
-        if supports is None:
-            return
-        cfg = self.model_config
-        key_cache = self.kv_caches.views[0][0]
-        query = torch.zeros((1, cfg.num_attention_heads, cfg.head_dim), dtype=key_cache.dtype,
-                            device=key_cache.device)
-        reason = supports(query, key_cache, sliding_window=cfg.sliding_window)
-        if reason is not None:
-            name = getattr(self.model.attention, "name", type(self.model.attention).__name__)
-            raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
+        for method in ("forward", "compute_probs"):
+            if not callable(getattr(self.sampler, method, None)):
+                raise TypeError(f"sampler {type(self.sampler).__name__} has no {method}(logits, metadata) method")
+        self.verifier = get_verifier(spec.verifier)
+        self.drafter = build_drafter(self.config, self.model, block_size=self.block_size,
+                                     num_blocks=self.num_blocks, max_num_seqs=self.scheduler_config.max_num_seqs,
+                                     vocab_size=self.vocab_size)
+        eos = () if self.eos_token_id is None else (self.eos_token_id, *self._extra_eos)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
+                                                  backend=self.config.grammar_backend)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, max_model_len=self.max_model_len,
+                                  sampler=self.sampler, drafter=self.drafter, verifier=self.verifier,
+                                  num_speculative_tokens=spec.num_speculative_tokens,
+                                  max_num_reqs=self.scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id,
+                                  structured=self.structured)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, attention_backend: Any = "torch", block_size: int = 16,
-                        num_blocks: int | None = None, enable_prefix_caching: bool = True, policy: Any = "fcfs",
-                        max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                        long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
-                        drafter: Any = None, num_speculative_tokens: int = 0, dtype: Any = None,
-                        device: str | torch.device = "cpu", seed: int | None = 0, **kwargs: Any) -> Pipeline:
-        """Load a HF checkpoint folder (model + tokenizer) and build a pipeline.
+    def from_pretrained(cls, path: str | Path, *, config: PipelineConfig | None = None, dtype: Any = None,
+                        device: str | torch.device = "cpu", **settings: Any) -> Pipeline:
+        """Load a checkpoint (a Hugging Face folder or a ``.gguf`` file: model, and
+        its tokenizer when it has one) and build a pipeline with ``config`` /
+        ``settings`` (the same keyword arguments, and defaults, as the
+        constructor; ``kv_cache_manager``, ``sampler`` and ``clock`` pass through too).
 
-        ``drafter``: None, "ngram", a draft checkpoint folder (same tokenizer;
-        loaded with the same dtype, device and attention backend) or a
-        ``Drafter``. Other keyword arguments go to the constructor.
+        A draft checkpoint given as ``drafter`` is loaded with the same dtype,
+        device and attention backend. A folder without tokenizer files (normal
+        for research checkpoints) gives a pipeline without a tokenizer:
+        token-id prompts only.
         """
-        model, _ = load_model(path, dtype=dtype, device=device, attention=attention_backend)
-        return cls(model, load_tokenizer(path), block_size=block_size, num_blocks=num_blocks,
-                   enable_prefix_caching=enable_prefix_caching, policy=policy, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens,
-                   long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len,
-                   drafter=drafter, num_speculative_tokens=num_speculative_tokens, seed=seed, **kwargs)
+        model, _ = load_model(path, dtype=dtype, device=device)
+        return cls(model, load_tokenizer(path), config=config, **settings)
+
+    def _new_recorder(self) -> MetricsRecorder:
+        return MetricsRecorder(self.clock(), speculative=self.num_speculative_tokens > 0)
 
     # ---- requests in -----------------------------------------------------------
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string; at least one token is needed")
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the pipeline has no tokenizer; pass token ids")
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, (torch.Tensor,)) or hasattr(prompt, "tolist"):
-            ids = prompt.tolist()
-        elif isinstance(prompt, Sequence):
-            ids = list(prompt)
-        else:
-            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty; at least one token is needed")
-        if not set(map(type, ids)) <= {int}:
-            bad = next(t for t in ids if type(t) is not int)
-            raise TypeError(f"prompt holds {bad!r} ({type(bad).__name__}); token ids must be ints")
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= self.vocab_size:
-            bad = low if low < 0 else high
-            raise ValueError(f"prompt token id {bad} at position {ids.index(bad)} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, longer than max_model_len={self.max_model_len}")
-        return ids
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` a request without its own gets: the checkpoint's
+        ``generation_config.json`` sampling defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens), as
+        vLLM's ``LLM.get_default_sampling_params``; plain ``SamplingParams()``
+        where the checkpoint has none. Defaults that are invalid are ignored.
+        """
+        if self._default_params is None:
+            defaults = dict(getattr(self.model_config, "generation_defaults", None) or {})
+            try:
+                self._default_params = SamplingParams(**defaults)
+            except (TypeError, ValueError):
+                self._default_params = SamplingParams()
+        return self._default_params
 
     def _params(self, params: Any, number: int) -> SamplingParams:
         if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate_token_ids(self.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer; the pipeline has none")
-        if params.bad_words and params.bad_words_token_ids is None:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
-            params = params.resolve_bad_words(lambda s: self.tokenizer.encode(s, add_special_tokens=False))
-        extra = tuple(e for e in self._extra_eos if e not in params.stop_token_ids)
-        if extra and not params.ignore_eos:  # the scheduler knows one EOS; the rest are stop ids
-            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
-        if self.seed is not None and params.seed is None and not params.is_greedy:
-            params = replace(params, seed=(self.seed * 0x9E3779B97F4A7C15 + number) & _MASK63)
-        return params
+            params = self.get_default_sampling_params()
+        return request_params(params, number, vocab_size=self.vocab_size, max_logprobs=self.config.max_logprobs,
+                              tokenizer=self.tokenizer, eos_token_id=self.eos_token_id,
+                              extra_eos=self._extra_eos, seed=self.seed)
+
+    def _new_request_id(self) -> tuple[int, str]:
+        """An arrival number and an automatic id no live request uses."""
+        while True:
+            number = next(self._counter)
+            rid = f"req-{number}"
+            if rid not in self._tracked and rid not in self.scheduler.requests:
+                return number, rid
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int | None = None,
                     detokenize: bool = True) -> str:
         """Queue one request; returns its id. Bad input fails the request (its
         final event comes from the next :meth:`step`) instead of raising;
-        only a duplicate ``request_id`` raises ``ValueError``.
+        only a duplicate ``request_id`` raises ``ValueError`` (nothing queued).
 
         ``detokenize=False`` skips streaming detokenization (the text is decoded
         once at the end) unless the request has stop strings."""
-        number = next(self._counter)
-        rid = f"req-{number}" if request_id is None else request_id
-        if rid in self._tracked:
-            raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still tracked")
-        tracked = _Tracked(GenerationOutput(rid, number if index is None else index,
-                                            prompt if isinstance(prompt, str) else None, []))
+        if request_id is None:
+            number, rid = self._new_request_id()
+        else:
+            rid = request_id
+            if rid in self._tracked or rid in self.scheduler.requests:
+                raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still tracked")
+            number = next(self._counter)
+        text = prompt.text if isinstance(prompt, RenderedPrompt) else prompt if isinstance(prompt, str) else None
+        tracked = _Tracked(GenerationOutput(rid, number if index is None else index, text, []))
         self._tracked[rid] = tracked
         try:
-            ids = self._prompt_ids(prompt)
+            ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
             tracked.output.prompt_token_ids = ids
             params = self._params(sampling_params, number)
             request = Request(rid, ids, params, priority=priority, eos_token_id=self.eos_token_id)
             if self.tokenizer is not None and (detokenize or params.stop):
                 tracked.detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                                        min_tokens=params.min_tokens)
-            self.scheduler.add_request(request)
+            self._add_to_scheduler(request)
         except (ValueError, TypeError) as exc:
-            now = self.clock()
-            metrics = RequestMetrics(rid, "default", priority if isinstance(priority, int) else 0, "error",
-                                     len(tracked.output.prompt_token_ids), 0, 0, 0, 0, 0, now, None, None, now, [])
-            self._finish(tracked, "error", metrics, [], "", error=f"request {rid!r}: {exc}")
+            self._fail_unqueued(tracked, priority, f"request {rid!r}: {exc}")
             return rid
+        except BaseException:
+            del self._tracked[rid]  # interrupted before it was queued: leave no trace
+            raise
         tracked.request = request
         return rid
+
+    def _add_to_scheduler(self, request: Request) -> None:
+        """Compile the request's grammar (if any), then queue it; neither is kept if either fails."""
+        grammar = getattr(request.sampling_params, "structured_outputs", None)
+        if grammar is not None:
+            self.structured.add_request(request.request_id, grammar)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            self.structured.remove_request(request.request_id)
+            raise
+
+    def _fail_unqueued(self, tracked: _Tracked, priority: Any, error: str) -> None:
+        now, out = self.clock(), tracked.output
+        metrics = RequestMetrics(out.request_id, "default", priority if isinstance(priority, int) else 0, "error",
+                                 len(out.prompt_token_ids), 0, 0, 0, 0, 0, now, None, None, now, [])
+        self._finish(tracked, "error", metrics, [], "", error=error)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request now (finish reason "abort"); False if it is not running."""
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.done or tracked.request is None:
             return False
-        self.scheduler.abort_request(request_id)
-        self._finish(tracked, "abort", tracked.request.metrics(), [], self._flush(tracked))
+        try:
+            self.scheduler.abort_request(request_id)
+        except Exception as exc:  # the scheduler's own end path failed: end it as failed, never leave it
+            self.scheduler.fail_requests([request_id], f"abort failed: {type(exc).__name__}: {exc}")
+        try:
+            text = self._flush(tracked)
+        except Exception:  # a tokenizer failing here must not keep the request alive
+            text = ""
+        self._finish(tracked, "abort", tracked.request.metrics(), [], text)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._events)
+        return self.scheduler.has_unfinished_requests() or bool(self._events) or bool(self._pending)
 
     def get_output(self, request_id: str, *, pop: bool = False) -> GenerationOutput:
         """The output of a request so far (final once it finished); ``pop`` forgets a finished one."""
@@ -328,21 +341,81 @@ class Pipeline:
 
     def step(self) -> list[StreamEvent]:
         """Run one scheduler step; returns the events of requests that produced
-        tokens or ended (plus those that failed or were aborted since the last step)."""
-        events, self._events = self._events, []
+        tokens or ended (plus those that failed or were aborted since the last
+        step). See the module docstring for what a failing step does."""
+        self._apply_all(self._take_pending())  # outputs an interrupted step could not deliver
+        self._apply_all(self.scheduler.take_pending_outputs())  # ends the scheduler has not reported yet
         if not self.scheduler.has_unfinished_requests():
-            return events
+            return self._take_events()
         start = self.clock()
-        sched_out = self.scheduler.schedule()
+        try:
+            sched_out = self.scheduler.schedule()
+        except BaseException:
+            # schedule() itself may have finished (an interrupt in a policy hook
+            # or just after): undo whatever plan it left in flight.
+            self._rollback(getattr(self.scheduler, "in_flight_output", None))
+            raise
         usage = self.kv_cache_manager.usage
-        model_out = self.runner.execute(sched_out)
-        for out in self.scheduler.update_from_output(sched_out, model_out):
-            self._apply(out)
-        events += self._events
-        self._events = []
+        try:
+            model_out = self.runner.execute(sched_out)
+        except Exception as exc:  # the forward (or the runner) failed: this step's requests fail, nothing else
+            self._rollback(sched_out)
+            ids = [rid for rid, _, _ in sched_out.iter_scheduled()]
+            message = f"the model step failed: {type(exc).__name__}: {exc}"
+            self._apply_all(self.scheduler.fail_requests(ids, message))
+        except BaseException:
+            self._rollback(sched_out)
+            raise
+        else:
+            self._apply_all(self.scheduler.update_from_output(sched_out, model_out))
         self._recorder.record_step(usage, sched_out.num_reqs, sched_out.total_num_scheduled_tokens,
                                    self.clock() - start, self.runner.last_verification,
                                    kv_tokens=sched_out.total_num_kv_tokens)
+        return self._take_events()
+
+    def _apply_all(self, outputs: Sequence[RequestOutput]) -> None:
+        """Deliver the scheduler's outputs, each request on its own.
+
+        The scheduler has already applied them, so they must reach the
+        caller whatever happens here: a request whose delivery raises
+        (detokenizer, stop-string handling) fails alone; on an interrupt
+        (``BaseException``) that request fails, the outputs not yet delivered
+        are kept for the next :meth:`step` (or the end of the run), and the
+        interrupt propagates.
+        """
+        for k, out in enumerate(outputs):
+            try:
+                self._apply(out)
+            except BaseException as exc:
+                self._fail_delivery(out, exc)
+                if not isinstance(exc, Exception):
+                    self._pending = list(outputs[k + 1:]) + self._pending
+                    raise
+
+    def _take_pending(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _fail_delivery(self, out: RequestOutput, exc: BaseException) -> None:
+        """End a request whose output could not be delivered, with the reason."""
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None or tracked.done:
+            return
+        error = f"request {out.request_id!r}: delivering its output failed: {type(exc).__name__}: {exc}"
+        if not out.finished and self.scheduler.requests.get(out.request_id) is not None:
+            self.scheduler.fail_requests([out.request_id], error)
+        metrics = out.metrics or (tracked.request.metrics() if tracked.request is not None else None)
+        self._finish(tracked, "error", metrics, [], "", error=error)
+
+    def _rollback(self, sched_out: Any) -> None:
+        """Undo a failed step: the scheduler preempts its requests, the runner forgets their rows."""
+        if sched_out is None:
+            return
+        self.scheduler.rollback_step(sched_out)
+        self.runner.rollback(sched_out)
+
+    def _take_events(self) -> list[StreamEvent]:
+        events, self._events = self._events, []
         return events
 
     def _flush(self, tracked: _Tracked) -> str:
@@ -352,36 +425,38 @@ class Pipeline:
             return self.tokenizer.decode(tracked.output.token_ids, skip_special_tokens=True)
         return ""
 
+    def _detokenize(self, tracked: _Tracked, out: RequestOutput) -> tuple[list[int], str, str | None]:
+        """(new tokens kept, new text, the stop string that matched or None)."""
+        new, detok = list(out.new_token_ids), tracked.detok
+        if detok is None or not new:
+            return new, "", None
+        before = detok.num_output_tokens
+        delta = detok.update(new)
+        if delta.stop_string is not None:
+            new = new[: detok.num_output_tokens - before]  # tokens after the stop string are dropped
+        return new, delta.text, delta.stop_string
+
     def _apply(self, out: RequestOutput) -> None:
         tracked = self._tracked.get(out.request_id)
         if tracked is None or tracked.done:
-            return  # e.g. the abort that ended a stop-string request, reported late
-        new, text, stop = list(out.new_token_ids), "", None
-        detok = tracked.detok
-        if detok is not None and new:
-            before = detok.num_output_tokens
-            delta = detok.update(new)
-            text, stop = delta.text, delta.stop_string
-            if stop is not None:
-                new = new[: detok.num_output_tokens - before]  # tokens after the stop string are dropped
+            return  # e.g. the final output of a request ended by a stop string, reported late
+        new, text, stop = self._detokenize(tracked, out)  # raising: _apply_all fails this request alone
         result = tracked.output
+        if stop is not None and not out.finished:  # ends it now (frees its blocks); not counted as an abort
+            self.scheduler.finish_request(out.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
         if out.logprobs is not None:
             result.logprobs = (result.logprobs or []) + list(out.logprobs)[: len(new)]
+        result.token_ids += new
         if stop is not None:
-            if not out.finished:
-                self.scheduler.abort_request(out.request_id)  # frees its blocks now
-            result.token_ids += new
-            metrics = (out.metrics or tracked.request.metrics())
+            metrics = out.metrics or tracked.request.metrics()
             n = len(result.token_ids)
             metrics = replace(metrics, finish_reason="stop", num_output_tokens=n, token_times=metrics.token_times[:n])
             self._finish(tracked, "stop", metrics, new, text, stop_reason=stop)
         elif out.finished:
-            result.token_ids += new
             text += self._flush(tracked)
             self._finish(tracked, out.finish_reason, out.metrics, new, text, stop_reason=out.stop_reason,
                          error=out.error)
         else:
-            result.token_ids += new
             result.text += text
             self._events.append(StreamEvent(out.request_id, result.index, new, text))
 
@@ -392,49 +467,39 @@ class Pipeline:
         result.finish_reason, result.stop_reason, result.error, result.metrics = reason, stop_reason, error, metrics
         tracked.done = True
         self.runner.remove_request(result.request_id)  # its row and draft blocks, now rather than next step
+        self.structured.remove_request(result.request_id)
         if metrics is not None:
-            self._recorder.record_request(metrics)
+            self._recorder.record_request(metrics, error)
         self._events.append(StreamEvent(result.request_id, result.index, new, text, True, reason, error))
 
     # ---- metrics -------------------------------------------------------------------
 
     def run_metrics(self, reset: bool = False) -> RunMetrics:
         """Metrics of the steps and finished requests since the last reset; ``reset`` starts anew."""
-        now = self.clock()
-        metrics = self._recorder.finish(now)
+        metrics = self._recorder.finish(self.clock(), peak_rss_bytes=peak_rss_bytes(),
+                                        kv_cache_bytes=self.kv_cache_bytes)
         if reset:
-            self._recorder = MetricsRecorder(now, speculative=self.num_speculative_tokens > 0)
+            self._recorder = self._new_recorder()
         return metrics
 
     # ---- batch APIs --------------------------------------------------------------------
 
-    @staticmethod
-    def _batch(prompts: Any, sampling_params: Any, priorities: Any) -> list[tuple[Any, Any, int]]:
-        """Check a batch call's arguments; ``(prompt, params, priority)`` per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and all(type(t) is int for t in prompts)):
-            prompts = [prompts]  # one prompt (text, or token ids)
-        if not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
-        num = len(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * num
-        elif isinstance(sampling_params, Sequence) and len(sampling_params) == num:
-            params = list(sampling_params)
-        else:
-            raise ValueError(f"sampling_params must be one SamplingParams or a list of {num} (one per prompt)")
-        if priorities is None:
-            priorities = [0] * num
-        elif not isinstance(priorities, Sequence) or len(priorities) != num:
-            raise ValueError(f"priorities must be None or a list of {num} ints (one per prompt)")
-        return list(zip(prompts, params, priorities))
-
     def _start_run(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> list[str]:
-        self._recorder = MetricsRecorder(self.clock(), speculative=self.num_speculative_tokens > 0)
-        return [self.add_request(p, sp, priority=prio, index=i, detokenize=detokenize)
-                for i, (p, sp, prio) in enumerate(batch)]
+        """Queue a batch, all or nothing: if queueing raises, the requests this
+        call already queued are aborted and forgotten before the error propagates."""
+        self._recorder = self._new_recorder()
+        rids: list[str] = []
+        try:
+            for i, (p, sp, prio) in enumerate(batch):
+                rids.append(self.add_request(p, sp, priority=prio, index=i, detokenize=detokenize))
+        except BaseException:
+            self._end_run(rids)
+            self.last_outputs = []
+            raise
+        return rids
 
     def _end_run(self, rids: list[str]) -> None:
+        self._apply_all(self._take_pending())
         for rid in rids:  # anything still running (an exception, a stream closed early) is aborted
             tracked = self._tracked.get(rid)
             if tracked is not None and not tracked.done:
@@ -450,26 +515,41 @@ class Pipeline:
                  detokenize: bool = True) -> list[GenerationOutput]:
         """Run ``prompts`` to completion; one :class:`GenerationOutput` per prompt, in order.
 
-        ``sampling_params``: one for all, or one per prompt (default
-        ``SamplingParams()``: temperature 1, 16 tokens). ``priorities``: one int
-        per prompt (lower first, for the "priority" policy). Metrics of the
-        run land in :attr:`last_run_metrics`.
+        ``prompts``: one prompt or a list (a prompt is a ``str`` or a list of
+        int token ids; ``bytes`` raise ``TypeError``). ``sampling_params``: one
+        for all, or one per prompt (default ``SamplingParams()``: temperature
+        1, 16 tokens). ``priorities``: one int per prompt (lower first, for the
+        "priority" policy). Metrics of the run land in :attr:`last_run_metrics`.
         """
-        rids = self._start_run(self._batch(prompts, sampling_params, priorities), detokenize)
-        pending = set(rids)
-        progress = ProgressBar(len(rids), use_tqdm)
+        batch = batch_arguments(prompts, sampling_params, priorities)
+        progress = ProgressBar(len(batch), use_tqdm)
         try:
-            while pending:
-                events = self.step()
-                done = [e for e in events if e.finished and e.request_id in pending]
-                pending.difference_update(e.request_id for e in done)
-                progress.update(len(done), sum(len(e.new_token_ids) for e in events))
-                if pending and not events and not self.scheduler.has_unfinished_requests():
-                    raise RuntimeError(f"requests {sorted(pending)[:5]} were lost: not finished, not scheduled")
+            for event in self._stream(batch, detokenize):
+                progress.update(int(event.finished), len(event.new_token_ids))
         finally:
             progress.close()
-            self._end_run(rids)
         return list(self.last_outputs)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             priorities: Sequence[int] | None = None) -> list[GenerationOutput]:
+        """Generate replies to chat conversations, as vLLM's ``LLM.chat``.
+
+        ``messages``: one conversation (a list of ``{"role": ..., "content":
+        ...}`` dicts) or a list of conversations. Each is rendered with the
+        tokenizer's chat template (or ``chat_template``), with the assistant
+        prompt appended (``add_generation_prompt``), and tokenized without
+        adding special tokens, so the template's BOS is the only one. Returns
+        one output per conversation (a list even for one); ``prompt`` is the
+        rendered text. Raises ``ValueError`` when there is no tokenizer or no
+        chat template.
+        """
+        conversations, _ = conversations_of(messages)
+        prompts = [render_chat(self.tokenizer, conv, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priorities=priorities)
 
     def stream(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -479,7 +559,7 @@ class Pipeline:
         are queued when iteration starts. Closing the iterator early aborts the
         rest. Final outputs land in :attr:`last_outputs`, metrics in
         :attr:`last_run_metrics`."""
-        return self._stream(self._batch(prompts, sampling_params, priorities), detokenize)
+        return self._stream(batch_arguments(prompts, sampling_params, priorities), detokenize)
 
     def _stream(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> Iterator[StreamEvent]:
         rids = self._start_run(batch, detokenize)

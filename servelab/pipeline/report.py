@@ -73,7 +73,9 @@ def plot_report(run_metrics: RunMetrics | Mapping[str, RunMetrics], path: str | 
         ax_acc.set_xticks(np.arange(max(len(r.acceptance_by_position) for r in spec.values())))
         ax_acc.legend(fontsize="small")
     else:
-        ax_acc.text(0.5, 0.5, "no speculative decoding", ha="center", va="center", transform=ax_acc.transAxes)
+        speculative = any(run.speculative for run in runs.values())
+        ax_acc.text(0.5, 0.5, "speculation on, nothing proposed" if speculative else "no speculative decoding",
+                    ha="center", va="center", transform=ax_acc.transAxes)
     ax_acc.set(title="Draft acceptance by position", xlabel="draft position", ylabel="accepted (all up to it)",
                ylim=(0, 1.05))
 

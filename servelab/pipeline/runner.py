@@ -25,13 +25,22 @@ position of each request whose computation reaches its last known token (a
 chunked prefill still short of the end samples nothing), or, when drafts are
 being verified, the position before each draft and the bonus position.
 
-Sampling: requests without drafts go through ``Sampler.forward`` with a
-``SamplingMetadata`` built for this step. Requests with drafts are verified
-by ``rejection_sample`` against ``Sampler.compute_probs`` (one metadata row per
-verified position, the history extended by the drafts before it, so penalties
-and min_tokens see what each position would have seen); greedy requests are
-verified greedily. Then the drafter proposes the next drafts from the new
-history, and everything goes back to the scheduler as ``ModelRunnerOutput``.
+Sampling (:mod:`servelab.pipeline.sampling_steps`): requests without drafts
+go through ``Sampler.forward`` with a ``SamplingMetadata`` built for this
+step. Requests with drafts are verified by the pipeline's ``Verifier``
+(``verifier.verify``, default rejection sampling) against
+``Sampler.compute_probs`` (one metadata row per verified position, the
+history extended by the drafts before it, so penalties and min_tokens see
+what each position would have seen); greedy requests are verified greedily.
+Then the drafter proposes the next drafts from the new history
+(``drafter.propose_for_requests``), and everything goes back to the
+scheduler as ``ModelRunnerOutput``. User code that raises, or returns
+something unusable, fails only the requests it was called for
+(``ModelRunnerOutput.errors``; see :mod:`servelab.pipeline.sampling_steps`).
+
+A step that fails or is interrupted outside that (the model forward) is
+undone with :meth:`ModelRunner.rollback`: the step's requests lose their
+rows, and come back in a later ``SchedulerOutput`` as resumed or new.
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ import numpy as np
 import torch
 
 from servelab.models import AttentionMetadata
-from servelab.pipeline.drafting import DraftRequest
-from servelab.reference._sampling_noise import seeded_generator
-from servelab.samplers import Drafter, Sampler, SamplingMetadata, SamplingParams, rejection_sample
+from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
+from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
+from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
+from servelab.samplers.verifiers import get_verifier
 from servelab.scheduling import ModelRunnerOutput, SchedulerOutput
 
 
@@ -67,7 +77,7 @@ class CachedRequestState:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
-class ModelRunner:
+class ModelRunner(SamplingSteps):
     """Runs the model for the scheduler.
 
     Args:
@@ -77,23 +87,35 @@ class ModelRunner:
             (or :class:`~servelab.blocks.KVCacheBuffers`).
         block_size: tokens per block (the KV cache manager's).
         max_model_len: longest sequence; sizes block-table rows.
-        sampler: default ``Sampler()``.
-        drafter: None, or a ``Drafter``; a drafter with ``propose_for_requests``
-            and ``release`` (the draft model) gets request ids and batching.
+        sampler: default ``Sampler()``; called through ``forward`` and
+            ``compute_probs`` only.
+        drafter: None, or a ``Drafter``; called through
+            ``propose_for_requests`` and ``release`` only.
+        verifier: a ``Verifier`` (``verify``) or a registered name; default
+            ``"rejection"`` (see :func:`servelab.samplers.verifiers.get_verifier`).
         num_speculative_tokens: drafts proposed per request and step.
         max_num_reqs: initial block-table rows (grows when needed).
         eos_token_id: the model's EOS (for min_tokens masking).
+        structured: a :class:`~servelab.samplers.structured.StructuredOutputManager`
+            holding the grammars of constrained requests: their logits rows are
+            masked before sampling (drafts included) and their matchers advance
+            by the emitted tokens.
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, max_model_len: int,
-                 sampler: Sampler | None = None, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
-                 max_num_reqs: int = 64, eos_token_id: int | None = None) -> None:
+                 sampler: Sampler | None = None, drafter: Any = None, verifier: Any = "rejection",
+                 num_speculative_tokens: int = 0, max_num_reqs: int = 64, eos_token_id: int | None = None,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sampler = sampler if sampler is not None else Sampler()
         self.drafter = drafter
+        self.verifier = get_verifier(verifier)
+        self.structured: StructuredOutputManager | None = structured
+        self._grammar_advanced: dict[str, int] = {}  # tokens each matcher accepted in the last execute
+        """Grammars of constrained requests (structured outputs); None: no request may carry one."""
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
         self.eos_token_id = eos_token_id
         self.vocab_size: int = model.config.vocab_size
@@ -133,9 +155,8 @@ class ModelRunner:
         if state is not None and state.row >= 0:
             self._free_rows.append(state.row)
             state.row, state.num_blocks, state.draft_probs = -1, 0, None
-        release = getattr(self.drafter, "release", None)
-        if release is not None:
-            release(req_id)
+        if self.drafter is not None:
+            release_quietly(self.drafter.release, req_id)
         return state
 
     def remove_request(self, req_id: str) -> None:
@@ -143,6 +164,20 @@ class ModelRunner:
         as a request ends, so nothing lingers until the next step."""
         self._detach(req_id)
         self.requests.pop(req_id, None)
+
+    def rollback(self, so: SchedulerOutput) -> None:
+        """Undo what a failed or interrupted :meth:`execute` of ``so`` did: every
+        scheduled request loses its row and draft state (the scheduler's
+        ``rollback_step`` sends them back to the waiting queue; they return
+        as resumed, or as new if this was their first step)."""
+        for rid in so.finished_req_ids:
+            self.remove_request(rid)
+        for rid in [*so.preempted_req_ids, *(rid for rid, _, _ in so.iter_scheduled())]:
+            self._detach(rid)
+        self.last_verification = []
+        for rid, num_tokens in self._grammar_advanced.items():  # the scheduler never saw those tokens
+            self.structured.rollback_tokens(rid, num_tokens)
+        self._grammar_advanced = {}
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -169,6 +204,28 @@ class ModelRunner:
                 self._set_blocks(state, cached.new_block_ids[i], append=False)
             elif cached.new_block_ids[i]:
                 self._set_blocks(state, cached.new_block_ids[i], append=True)
+
+    # ---- structured outputs ------------------------------------------------------
+
+    def _apply_grammars(self, batch, plain: list[int], verify: list[tuple[int, int]], spec: dict[str, list[int]],
+                        logits: torch.Tensor, errors: dict[str, str]) -> None:
+        """Mask ``logits`` (fp32 ``[R, V]``: plain rows, then each verified request's
+        ``d + 1`` rows) with every constrained request's grammar, before sampling."""
+        rows = [(batch[i][0].req_id, ()) for i in plain]
+        rows += [(batch[i][0].req_id, spec[batch[i][0].req_id][:d]) for i, d in verify]
+        bitmask, grammar_errors = self.structured.fill_bitmasks(rows)
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask.to(logits.device))
+        errors.update(grammar_errors)
+
+    def _advance_grammars(self, batch, sampled: list[list[int]], errors: dict[str, str]) -> None:
+        """Advance each constrained request's matcher by the tokens it emitted this step."""
+        for (state, _, _), toks in zip(batch, sampled):
+            if toks and state.req_id not in errors and state.req_id in self.structured:
+                accepted, problem = self.structured.accept_tokens(state.req_id, toks)
+                self._grammar_advanced[state.req_id] = accepted  # undone by rollback() if the step is
+                if problem is not None:                          # rolled back
+                    errors[state.req_id] = problem
 
     # ---- one step -------------------------------------------------------------
 
@@ -216,13 +273,15 @@ class ModelRunner:
         penalties = any(s.params.uses_penalties for s in states)
         prompts = [s.token_ids[: s.num_prompt_tokens] if penalties else () for s in states]
         return SamplingMetadata.from_requests([s.params for s in states], prompts, outputs, self.vocab_size,
-                                              self.device, eos_token_id=self.eos_token_id)
+                                              self.device, eos_token_id=self.eos_token_id,
+                                              request_ids=[s.req_id for s in states])
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; see the module docstring."""
         self._update_states(so)
         self.last_verification = []
+        self._grammar_advanced = {}
         if so.is_empty():
             return ModelRunnerOutput([], [])
         spec = so.scheduled_spec_decode_tokens
@@ -248,120 +307,29 @@ class ModelRunner:
                 plain.append(i)
         sampled: list[list[int]] = [[] for _ in batch]
         logprobs: list[Any] = [None] * len(batch)
+        errors: dict[str, str] = {}  # request id -> why it fails (user code raised for it, an unusable row)
         if plain or verify:
             rows = [ends[i] - 1 for i in plain] + [r for i, d in verify for r in range(ends[i] - d - 1, ends[i])]
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])  # fp32 [R, V]
+            if self.structured is not None and len(self.structured):
+                self._apply_grammars(batch, plain, verify, spec, logits, errors)
             if plain:
-                self._sample_plain(batch, plain, logits[: len(plain)], sampled, logprobs)
+                self._sample_plain(batch, plain, logits[: len(plain)], sampled, logprobs, errors)
             if verify:
-                self._verify(batch, verify, logits[len(plain):], spec, sampled, logprobs)
+                self._verify(batch, verify, logits[len(plain):], spec, sampled, logprobs, errors)
 
         req_ids = [state.req_id for state, _, _ in batch]
+        if self.structured is not None and len(self.structured):
+            self._advance_grammars(batch, sampled, errors)
         for (state, _, _), toks in zip(batch, sampled):
-            state.token_ids.extend(toks)
-        spec_out = self._propose(batch, sampled) if self.num_speculative_tokens else None
+            if state.req_id not in errors:
+                state.token_ids.extend(toks)
+        spec_out = self._propose(batch, sampled, errors) if self.num_speculative_tokens else None
+        if errors:  # a failed request hands back nothing (the scheduler ends it)
+            for i, rid in enumerate(req_ids):
+                if rid in errors:
+                    sampled[i], logprobs[i] = [], None
+                    if spec_out is not None:
+                        spec_out[i] = []
         any_logprobs = any(lp is not None for lp in logprobs)
-        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs if any_logprobs else None)
-
-    def _sample_plain(self, batch, plain: list[int], logits: torch.Tensor, sampled: list[list[int]],
-                      logprobs: list[Any]) -> None:
-        states = [batch[i][0] for i in plain]
-        metadata = self._metadata(states, [s.token_ids[s.num_prompt_tokens:] for s in states])
-        out = self.sampler.forward(logits, metadata)
-        for row, token in enumerate(out.sampled_token_ids.tolist()):
-            sampled[plain[row]] = [token]
-        if out.logprobs is not None:
-            for row, state in enumerate(states):
-                if state.params.logprobs is not None:
-                    logprobs[plain[row]] = [out.logprobs.for_request(row, state.params.logprobs)]
-
-    def _verify(self, batch, verify: list[tuple[int, int]], logits: torch.Tensor, spec: dict[str, list[int]],
-                sampled: list[list[int]], logprobs: list[Any]) -> None:
-        """Rejection-sample each request's drafts; ``logits`` fp32 ``[sum(d + 1), V]``, request-contiguous."""
-        row_states, row_outputs = [], []
-        drafts_flat: list[int] = []
-        num_drafts: list[int] = []
-        for i, d in verify:
-            state = batch[i][0]
-            drafts = spec[state.req_id][:d]
-            history = state.token_ids[state.num_prompt_tokens:]
-            for j in range(d + 1):  # position j has seen the first j drafts
-                row_states.append(state)
-                row_outputs.append(history + drafts[:j])
-            drafts_flat += drafts
-            num_drafts.append(d)
-        metadata = self._metadata(row_states, row_outputs)
-        target_probs = self.sampler.compute_probs(logits, metadata)
-        states = [batch[i][0] for i, _ in verify]
-        draft_probs = None
-        if any(s.draft_probs is not None for s in states):
-            parts = []
-            for s, d, (i, _) in zip(states, num_drafts, verify):
-                ids = torch.tensor(spec[s.req_id][:d], device=target_probs.device)
-                if s.draft_probs is None or s.draft_probs.shape[0] < d:
-                    parts.append(torch.nn.functional.one_hot(ids, self.vocab_size).float())
-                else:
-                    q = s.draft_probs[:d].to(target_probs.device, torch.float32)
-                    if q.shape[1] < self.vocab_size:  # a draft vocab may be a prefix of the target's
-                        q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
-                    parts.append(q)
-            draft_probs = torch.cat(parts)
-        generators = [
-            seeded_generator(s.params.seed, len(s.token_ids) - s.num_prompt_tokens, target_probs.device)
-            if s.params.seed is not None and not s.params.is_greedy else None
-            for s in states
-        ]
-        out = rejection_sample(
-            torch.tensor(drafts_flat, dtype=torch.int64, device=target_probs.device), num_drafts, target_probs,
-            draft_probs, greedy=torch.tensor([s.params.is_greedy for s in states], device=target_probs.device),
-            generator=generators,
-        ).tolist()
-        raw = None
-        first_row = 0
-        for (i, d), row in zip(verify, out):
-            state = batch[i][0]
-            toks = [t for t in row if t >= 0]
-            sampled[i] = toks
-            self.last_verification.append((d, len(toks) - 1))
-            state.draft_probs = None
-            n = state.params.logprobs
-            if n is not None:  # emitted token j came from logits row j: logprobs of the raw distribution
-                if raw is None:
-                    raw = torch.log_softmax(logits.float(), dim=-1)
-                rows = raw[first_row:first_row + len(toks)]
-                picked = rows.gather(1, torch.tensor(toks, device=rows.device)[:, None])[:, 0].tolist()
-                top = rows.topk(n, dim=-1) if n else None
-                logprobs[i] = [[(t, lp)] + (list(zip(top.indices[j].tolist(), top.values[j].tolist())) if n else [])
-                               for j, (t, lp) in enumerate(zip(toks, picked))]
-            first_row += d + 1
-
-    def _propose(self, batch, sampled: list[list[int]]) -> list[list[int]]:
-        """Next drafts for every request that just got tokens and goes on."""
-        k_max = self.num_speculative_tokens
-        asks: list[tuple[int, CachedRequestState, int]] = []
-        for i, ((state, _, _), toks) in enumerate(zip(batch, sampled)):
-            if not toks:
-                continue
-            num_out = len(state.token_ids) - state.num_prompt_tokens
-            if toks[-1] in state.stop_ids and num_out >= state.params.min_tokens:
-                continue  # it stops here
-            # Drafts the scheduler could never use: past max_model_len, or past
-            # max_tokens (verification emits accepted drafts + 1).
-            k = min(k_max, self.max_model_len - len(state.token_ids))
-            if state.params.max_tokens is not None:
-                k = min(k, state.params.max_tokens - num_out - 1)
-            if k > 0:
-                asks.append((i, state, k))
-        spec_out: list[list[int]] = [[] for _ in batch]
-        if not asks:
-            return spec_out
-        drafter = self.drafter
-        if hasattr(drafter, "propose_for_requests"):
-            proposals = drafter.propose_for_requests([
-                DraftRequest(s.req_id, s.token_ids, k, s.params) for _, s, k in asks])
-        else:
-            proposals = [drafter.propose_with_probs(s.token_ids, k) for _, s, k in asks]
-        for (i, state, k), proposal in zip(asks, proposals):
-            spec_out[i] = list(proposal.token_ids[:k])
-            state.draft_probs = proposal.probs
-        return spec_out
+        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs if any_logprobs else None, errors=errors)

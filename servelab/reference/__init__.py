@@ -11,6 +11,7 @@ tests hold the fast versions to it.
 # --- block layer references ---
 from servelab.reference.block_pool import BlockPool  # noqa: E402,F401
 from servelab.reference.kv_cache_manager import KVCacheManager  # noqa: E402,F401
+from servelab.reference.hybrid_kv_cache_manager import HybridKVCacheManager  # noqa: E402,F401
 # --- end block layer references ---
 
 # --- attention references ---

@@ -10,12 +10,21 @@ algorithms, over the reference pool (blocks are ints).
 - A sliding-window block is dead when every token in it is older than the
   window of the next token to compute.
 - Mamba: one block per request, no prefix caching.
+- Commit after compute: ``allocate_slots`` never indexes; ``cache_blocks``
+  indexes the full blocks of the first ``num_computed_tokens`` tokens.
+- Atomic: everything is checked (fit included) before anything changes.
+- Stats: counted once per admission, when ``allocate_slots`` admits.
+
+Constructor arguments are the fast manager's; ``eviction_policy`` must be a
+name the reference pool models (``"lru"``, ``"lfu"``,
+``"fewest_descendants"``) and ``block_pool`` a reference ``BlockPool``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from servelab.blocks.kv_cache_manager import PrefixCacheStats
 from servelab.blocks.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from servelab.reference.block_pool import NULL_BLOCK_ID, BlockPool
 
@@ -24,25 +33,61 @@ class KVCacheManager:
     """Reference manager for the built-in specs (full, MLA, sliding window, Mamba)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, enable_caching: bool = True, *,
-                 max_model_len: int | None = None, watermark: float = 0.0) -> None:
+                 max_model_len: int | None = None, watermark: float = 0.0,
+                 eviction_policy: str | None = None, block_pool: BlockPool | None = None) -> None:
         if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, MambaSpec)):
             raise ValueError(f"the reference manager does not model {type(spec).__name__}")
         if enable_caching and isinstance(spec, MambaSpec):
             raise ValueError("enable_caching=True is not supported for MambaSpec")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 1):
+            raise ValueError(f"max_model_len={max_model_len!r} must be a positive int or None")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark={watermark!r} must be in [0, 1)")
+        if block_pool is None:
+            block_pool = BlockPool(num_blocks, enable_caching, eviction_policy=eviction_policy or "lru")
+        elif eviction_policy is not None:
+            raise ValueError("with block_pool= give the eviction policy to that BlockPool")
         self.spec = spec
         self.block_size = spec.block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}
-        self.queried_tokens = 0
-        self.hit_tokens = 0
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._pool = None
+        self._num_blocks = num_blocks
+        self.block_pool = block_pool
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self._pool
+
+    @block_pool.setter
+    def block_pool(self, pool: BlockPool) -> None:
+        if self.req_to_blocks:
+            raise ValueError("cannot replace block_pool while requests hold blocks; free them first")
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"block_pool must be a servelab.reference.BlockPool, got {type(pool).__name__}")
+        if pool.num_blocks != self._num_blocks or pool.enable_caching != self.enable_caching:
+            raise ValueError("block_pool must have the manager's num_blocks and enable_caching")
+        if pool.num_free_blocks != pool.num_blocks - 1:
+            raise ValueError("a pool is handed over with every block free")
+        self._pool = pool
+        self.num_cached.clear()
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        return self._pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self._pool.usage
 
     def get_block_ids(self, request) -> list[int]:
         request_id = request if isinstance(request, str) else request.request_id
@@ -63,15 +108,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
         if not self.enable_caching:
             return [], 0
-        self.queried_tokens += request.num_tokens
         hashes = request.block_hashes
         longest = min(max(request.num_tokens - 1, 0) // self.block_size, len(hashes))
         for num_blocks in range(longest, -1, -1):
             visible = self._visible_blocks(num_blocks)
-            if all(self.block_pool.get_cached_block(hashes[i]) is not None for i in visible):
-                blocks = [self.block_pool.get_cached_block(hashes[i]) if i in visible else NULL_BLOCK_ID
+            if all(self._pool.get_cached_block(hashes[i]) is not None for i in visible):
+                blocks = [self._pool.get_cached_block(hashes[i]) if i in visible else NULL_BLOCK_ID
                           for i in range(num_blocks)]
-                self.hit_tokens += num_blocks * self.block_size
                 return blocks, num_blocks * self.block_size
         return [], 0  # unreachable: zero blocks are always a valid hit
 
@@ -85,6 +128,10 @@ class KVCacheManager:
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[int] | None = None,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
+        for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
+                            ("num_lookahead_tokens", num_lookahead_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
         rid = request.request_id
         hit = list(new_computed_blocks or [])
         if len(hit) * self.block_size != num_new_computed_tokens:
@@ -99,42 +146,55 @@ class KVCacheManager:
         if self.max_model_len is not None:
             slots = min(slots, self.max_model_len)
 
-        if held is None:
-            held = []
-        elif not hit:
-            for i in reversed(range(len(held))):
-                if held[i] != NULL_BLOCK_ID and self._dead(i, request.num_computed_tokens):
-                    self.block_pool.free_blocks([held[i]])
-                    held[i] = NULL_BLOCK_ID
-
-        num_new_blocks = max(0, self._blocks_for(slots) - len(held) - len(hit))
-        revived = [b for b in hit if b != NULL_BLOCK_ID and self.block_pool.ref_cnt[b] == 0]
-        available = self.block_pool.num_free_blocks
-        others_hold_blocks = any(r != rid for r in self.req_to_blocks)
-        if not held and others_hold_blocks:
+        # Plan: dead blocks (last first), the blocks to add, whether it all fits.
+        current = list(held or [])
+        dead = [] if hit else [i for i in reversed(range(len(current)))
+                               if current[i] != NULL_BLOCK_ID and self._dead(i, request.num_computed_tokens)]
+        num_new_blocks = max(0, self._blocks_for(slots) - len(current) - len(hit))
+        revived = [b for b in hit if b != NULL_BLOCK_ID and self._pool.ref_cnt[b] == 0]
+        freed_by_release = [current[i] for i in dead if self._pool.ref_cnt[current[i]] == 1]
+        available = self._pool.num_free_blocks + len(freed_by_release)
+        if not held and any(r != rid for r in self.req_to_blocks):
             available -= self.watermark_blocks
         if num_new_blocks + len(revived) > available:
             return None
 
-        self.block_pool.touch(hit)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        held = held + hit + new_blocks
-        self.req_to_blocks[rid] = held
+        # Commit: take the hit, release dead blocks, then allocate.
+        self._pool.touch(hit)
+        self._pool.free_blocks([current[i] for i in dead])
+        for i in dead:
+            current[i] = NULL_BLOCK_ID
+        new_blocks = self._pool.get_new_blocks(num_new_blocks)
+        self.req_to_blocks[rid] = current + hit + new_blocks
         if hit:
             self.num_cached[rid] = len(hit)
-        if self.enable_caching:
-            full = min(min(real_tokens, request.num_tokens) // self.block_size, len(request.block_hashes))
-            done = self.num_cached.get(rid, 0)
-            if full > done:
-                self.block_pool.cache_full_blocks(held, request.block_hashes, done, full)
-                self.num_cached[rid] = full
+        if held is None and self.enable_caching:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queried_tokens += request.num_tokens
+            self.prefix_cache_stats.hit_tokens += num_new_computed_tokens
         return new_blocks
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int) \
+                or num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens!r} must be an int >= 0")
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        if not self.enable_caching or not held:
+            return
+        if num_computed_tokens > min(request.num_tokens, len(held) * self.block_size):
+            raise ValueError("num_computed_tokens exceeds the request's tokens or slots")
+        full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        done = self.num_cached.get(rid, 0)
+        if full > done:
+            self._pool.cache_full_blocks(held, request.block_hashes, done, full)
+            self.num_cached[rid] = full
 
     def free(self, request) -> None:
         rid = request if isinstance(request, str) else request.request_id
-        blocks = self.req_to_blocks.pop(rid, [])
+        self._pool.free_blocks(list(reversed(self.req_to_blocks.get(rid, []))))
+        self.req_to_blocks.pop(rid, None)
         self.num_cached.pop(rid, None)
-        self.block_pool.free_blocks(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        return self._pool.reset_prefix_cache()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.reference._attention_checks import check_merge_attn_states_args
+from servelab._internal.attention_checks import check_merge_attn_states_args
 
 
 def merge_attn_states(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.reference._attention_checks import check_paged_attention_args
+from servelab._internal.attention_checks import check_paged_attention_args
 
 
 def paged_attention(

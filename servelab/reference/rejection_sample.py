@@ -22,12 +22,15 @@ probability ``min(1, p/q)``); at the first rejection emit a sample of
 of the bonus row. Each emitted token is then distributed exactly as the
 target. A residual with no positive mass (only possible through rounding)
 falls back to ``p_j``. Samples use the exponential race with noise from
-:func:`servelab.reference._sampling_noise.draw_rejection_noise`, which both
+:func:`servelab._internal.sampling_noise.draw_rejection_noise`, which both
 implementations call identically, so the same generator state gives the same
 tokens. ``generator`` may also be a list with one generator (or None) per
 request, which keeps seeded requests independent of the batch.
-``check_inputs=False`` skips the shape/dtype checks and the vocabulary range
-check of the draft ids (which synchronises with the device).
+``check_inputs=True`` (the default) refuses NaN, infinite or negative
+probabilities and rows without mass in ``target_probs`` / ``draft_probs`` with
+a ``ValueError`` naming the argument and row; ``check_inputs=False`` skips
+these, the shape/dtype checks and the vocabulary range check of the draft ids
+(all of which synchronise with the device).
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from collections.abc import Sequence
 
 import torch
 
-from servelab.reference._draft_layout import DraftIndex
-from servelab.reference._sampling_checks import check_draft_batch
-from servelab.reference._sampling_noise import draw_rejection_noise
+from servelab._internal.draft_layout import DraftIndex
+from servelab._internal.sampling_checks import check_draft_batch
+from servelab._internal.sampling_noise import draw_rejection_noise
 
 
 def _race(weights: torch.Tensor, exponential: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from servelab.reference._attention_checks import check_reshape_and_cache_args
+from servelab._internal.attention_checks import check_reshape_and_cache_args
 
 
 def reshape_and_cache(

@@ -32,76 +32,25 @@ the child (whose target row becomes the new ``r``). When no child is
 accepted, emit a sample of ``r`` and stop (at a leaf that is the bonus
 token). Each emitted token is distributed exactly as the target given the
 tokens before it.
+
+Validation (:func:`servelab._internal.draft_layout.check_tree_batch`, shared
+with the fast path) refuses NaN, negative or all-zero probability rows of
+present nodes with a ``ValueError`` naming the argument. Computed in float32,
+or float64 when ``target_probs`` is float64. The fast path is
+:mod:`servelab.samplers.verifiers.tree_verify`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
-from servelab.reference._sampling_checks import check_generator_argument, check_tensor
-from servelab.reference._sampling_noise import draw_rejection_noise
+from servelab._internal.draft_layout import TreeVerifyOutput, check_tree_batch
+from servelab._internal.sampling_checks import check_generator_argument, compute_dtype
+from servelab._internal.sampling_noise import draw_rejection_noise
 
-
-class TreeVerifyOutput(NamedTuple):
-    token_ids: torch.Tensor  # int64 [B, D + 1], -1 padded
-    accepted_nodes: torch.Tensor  # int64 [B, D], -1 padded
-
-
-def check_tree_batch(
-    draft_token_ids: torch.Tensor,
-    parents: torch.Tensor,
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int]:
-    """Validate a batch of trees; return (parents as int64 ``[B, N]``, deepest depth ``D``)."""
-    check_tensor("draft_token_ids", draft_token_ids, ndim=2, floating=False)
-    num_trees, num_nodes = draft_token_ids.shape
-    if not isinstance(parents, torch.Tensor):
-        raise TypeError(f"parents must be a torch.Tensor, got {type(parents).__name__}")
-    check_tensor("parents", parents, ndim=2 if parents.dim() == 2 else 1, floating=False)
-    device = draft_token_ids.device
-    parents = parents.to(device=device, dtype=torch.int64)
-    if parents.dim() == 1:
-        parents = parents[None, :].expand(num_trees, -1)
-    if tuple(parents.shape) != (num_trees, num_nodes):
-        raise ValueError(f"parents must have shape [N] or [B, N] = {(num_trees, num_nodes)}, got {tuple(parents.shape)}")
-    check_tensor("target_probs", target_probs, ndim=3, floating=True)
-    vocab_size = target_probs.shape[2]
-    if tuple(target_probs.shape[:2]) != (num_trees, num_nodes + 1):
-        raise ValueError(
-            f"target_probs must have shape [B, N + 1, vocab] with (B, N + 1) = {(num_trees, num_nodes + 1)}, "
-            f"got {tuple(target_probs.shape)} (row 0 is the root)"
-        )
-    if target_probs.device != device:
-        raise ValueError(f"target_probs is on {target_probs.device} but draft_token_ids on {device}")
-    if draft_probs is not None:
-        check_tensor("draft_probs", draft_probs, ndim=3, floating=True)
-        if tuple(draft_probs.shape) != (num_trees, num_nodes, vocab_size):
-            raise ValueError(
-                f"draft_probs must have shape [B, N, vocab] = {(num_trees, num_nodes, vocab_size)}, "
-                f"got {tuple(draft_probs.shape)}"
-            )
-    node_index = torch.arange(num_nodes, device=device)
-    if num_nodes and num_trees:
-        if bool(((parents < -1) | (parents >= node_index)).any()):
-            bad = parents[(parents < -1) | (parents >= node_index)][0].item()
-            raise ValueError(f"parents holds {bad}; valid: -1 (root) or an index smaller than the node's own")
-        present = draft_token_ids >= 0
-        if bool((draft_token_ids < -1).any()) or bool((draft_token_ids >= vocab_size).any()):
-            raise ValueError(f"draft_token_ids must be in [0, {vocab_size}) or -1 for absent nodes")
-        parent_present = torch.where(parents >= 0, present.gather(1, parents.clamp(min=0)), True)
-        if bool((present & ~parent_present).any()):
-            raise ValueError("a present node has an absent (-1) parent; valid: absent nodes only have absent children")
-    depth = torch.zeros(num_trees, num_nodes, dtype=torch.int64, device=device)
-    for node in range(num_nodes):  # topological order: a parent's depth is known first
-        parent = parents[:, node]
-        parent_depth = depth.gather(1, parent.clamp(min=0)[:, None]).squeeze(1)
-        depth[:, node] = torch.where(parent >= 0, parent_depth + 1, 1)
-    deepest = int(torch.where(draft_token_ids >= 0, depth, 0).max()) if num_nodes and num_trees else 0
-    return parents, deepest
+__all__ = ["TreeVerifyOutput", "check_tree_batch", "verify_tree_greedy", "verify_tree_stochastic"]
 
 
 def verify_tree_greedy(
@@ -110,7 +59,7 @@ def verify_tree_greedy(
     target_probs: torch.Tensor,
 ) -> TreeVerifyOutput:
     """Longest path whose tokens all equal the target argmax, then that argmax (see module docstring)."""
-    parents, deepest = check_tree_batch(draft_token_ids, parents, target_probs)
+    parents, _, deepest = check_tree_batch(draft_token_ids, parents, target_probs)
     num_trees, num_nodes = draft_token_ids.shape
     device = draft_token_ids.device
     tokens = draft_token_ids.long()
@@ -146,14 +95,15 @@ def verify_tree_stochastic(
 
     ``generator``: None, one generator, or one (or None) per tree.
     """
-    parents, deepest = check_tree_batch(draft_token_ids, parents, target_probs, draft_probs)
+    parents, _, deepest = check_tree_batch(draft_token_ids, parents, target_probs, draft_probs)
     num_trees, num_nodes = draft_token_ids.shape
     check_generator_argument(generator, num_trees)
     device = draft_token_ids.device
     vocab_size = target_probs.shape[2]
     uniform, exponential = draw_rejection_noise([num_nodes] * num_trees, vocab_size, device, generator)
     uniform = uniform.view(num_trees, num_nodes)
-    target = target_probs.float()
+    dtype = compute_dtype(target_probs)
+    target = target_probs.to(dtype)
     tokens = draft_token_ids.long()
     present = tokens >= 0
     safe_tokens = tokens.clamp(min=0)
@@ -174,9 +124,9 @@ def verify_tree_stochastic(
                 continue
             token = safe_tokens[:, node]
             if draft_probs is None:
-                q = torch.nn.functional.one_hot(token, vocab_size).float()
+                q = torch.nn.functional.one_hot(token, vocab_size).to(dtype)
             else:
-                q = draft_probs[:, node].float()
+                q = draft_probs[:, node].to(dtype)
             r_token = residual.gather(1, token[:, None]).squeeze(1)
             q_token = q.gather(1, token[:, None]).squeeze(1)
             accept = candidate & (uniform[:, node] * q_token < r_token)
@@ -190,7 +140,10 @@ def verify_tree_stochastic(
             next_node = torch.where(accept, node, next_node)
         scores = torch.where(residual > 0, residual / exponential, -1.0)
         sampled = scores.argmax(dim=-1)
-        emitted = torch.where(moved, safe_tokens.gather(1, next_node.clamp(min=0)[:, None]).squeeze(1), sampled)
+        if num_nodes:
+            emitted = torch.where(moved, safe_tokens.gather(1, next_node.clamp(min=0)[:, None]).squeeze(1), sampled)
+        else:  # an empty tree: the root's sample is the bonus token
+            emitted = sampled
         out_tokens[:, level] = torch.where(active, emitted, -1)
         if level < deepest:
             out_nodes[:, level] = torch.where(moved, next_node, -1)

@@ -1,4 +1,4 @@
-"""Reference typical acceptance (Medusa) for speculative decoding.
+"""Reference typical acceptance (Medusa) for speculative decoding: a per-request loop.
 
 Same ragged layout as ``rejection_sample`` (no draft probabilities: the rule
 looks at the target only). Draft ``x_j`` is accepted while
@@ -8,10 +8,15 @@ looks at the target only). Draft ``x_j`` is accepted while
 with ``H`` the entropy (nats) of the target row. The first draft that fails
 stops the walk; then one token is emitted from the target row where it
 stopped (the bonus row if all drafts passed): its argmax for greedy requests,
-else a sample of it (exponential race with per-request noise). Unlike
-rejection sampling this does not preserve the target distribution: it trades
-exactness for more accepted tokens at high entropy, where a plausible draft
-is accepted even if the target would rarely pick it.
+else a sample of it (exponential race against one Exp(1) row per request,
+drawn by :func:`servelab._internal.sampling_noise.draw_request_noise`; greedy
+requests consume none). Unlike rejection sampling this does not preserve the
+target distribution: it trades exactness for more accepted tokens at high
+entropy, where a plausible draft is accepted even if the target would rarely
+pick it.
+
+Computed in float32, or float64 when ``target_probs`` is float64. The fast
+path is :func:`servelab.samplers.verifiers.typical_acceptance_sample`.
 """
 
 from __future__ import annotations
@@ -21,17 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from servelab.reference._draft_layout import DraftIndex
-from servelab.reference._sampling_checks import check_draft_batch
-from servelab.reference._sampling_noise import draw_exponential_noise
-
-
-def _check_positive(name: str, value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} = {value} is invalid; valid: finite and > 0")
-    return float(value)
+from servelab._internal.sampling_checks import check_draft_batch, check_typical_options, compute_dtype
+from servelab._internal.sampling_noise import draw_request_noise
 
 
 def typical_acceptance_sample(
@@ -43,6 +39,7 @@ def typical_acceptance_sample(
     posterior_alpha: float = 0.3,
     greedy: bool | torch.Tensor = False,
     generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """Medusa's typical acceptance; returns int64 ``[num_reqs, max(k_i) + 1]`` padded with -1.
 
@@ -54,32 +51,34 @@ def typical_acceptance_sample(
         posterior_alpha: the entropy scale ``delta`` (Medusa: 0.3, about sqrt(epsilon)).
         greedy: bool or bool ``[num_reqs]``: emit the argmax instead of a sample at the stop.
         generator: None, one generator, or one (or None) per request.
+        check_inputs: validate shapes, ids and probabilities (NaN, negative, all-zero rows).
     """
-    threshold = _check_positive("posterior_threshold", posterior_threshold)
-    posterior_alpha = _check_positive("posterior_alpha", posterior_alpha)
-    batch = check_draft_batch(draft_token_ids, num_draft_tokens, target_probs, None, greedy, generator)
+    threshold, alpha = check_typical_options(posterior_threshold, posterior_alpha)
+    batch = check_draft_batch(draft_token_ids, num_draft_tokens, target_probs, None, greedy, generator,
+                              check_inputs=check_inputs)
     device = target_probs.device
-    num_reqs, max_draft, vocab_size = batch.num_reqs, batch.max_draft, batch.vocab_size
-    if num_reqs == 0:
-        return torch.full((0, max_draft + 1), -1, dtype=torch.int64, device=device)
-
-    target = target_probs.float()
-    draft_ids = draft_token_ids.long()
-    index = DraftIndex.build(batch, device)
-    draft_rows = target[index.target_row_of_draft]
-    entropy = -torch.special.xlogy(draft_rows, draft_rows).sum(dim=-1)
-    bar = torch.clamp(posterior_alpha * torch.exp(-entropy), max=threshold)
-    accept = draft_rows.gather(1, draft_ids[:, None]).squeeze(1) > bar
-    num_accepted = index.leading_accepts(accept)
-
-    stop_rows = target[index.stop_rows(num_accepted)]
+    out = torch.full((batch.num_reqs, batch.max_draft + 1), -1, dtype=torch.int64, device=device)
+    if batch.num_reqs == 0:
+        return out
+    target = target_probs.to(compute_dtype(target_probs))
+    drafts = draft_token_ids.tolist()
     greedy_rows = [row for row, flag in enumerate(batch.greedy) if flag]
-    if isinstance(generator, Sequence):
-        seeded = {row: gen for row, gen in enumerate(generator) if gen is not None}
-        noise = draw_exponential_noise(num_reqs, vocab_size, device, generators=seeded, skip_rows=greedy_rows)
-    else:
-        noise = draw_exponential_noise(num_reqs, vocab_size, device, generator=generator, skip_rows=greedy_rows)
-    sampled = torch.where(stop_rows > 0, stop_rows / noise, -1.0).argmax(dim=-1)
-    is_greedy = torch.tensor(batch.greedy, dtype=torch.bool, device=device)
-    final_token = torch.where(is_greedy, stop_rows.argmax(dim=-1), sampled)
-    return index.assemble(draft_ids, num_accepted, final_token)
+    noise = draw_request_noise(batch.num_reqs, batch.vocab_size, device, generator, skip_rows=greedy_rows)
+    for request, k in enumerate(batch.num_draft_tokens):
+        start = batch.draft_offsets[request]
+        first_row = start + request  # every earlier request also owns a bonus row
+        accepted: list[int] = []
+        for j in range(k):
+            row = target[first_row + j]
+            entropy = float(-torch.special.xlogy(row, row).sum())
+            token = drafts[start + j]
+            if not float(row[token]) > min(threshold, alpha * math.exp(-entropy)):
+                break
+            accepted.append(token)
+        stop_row = target[first_row + len(accepted)]
+        if batch.greedy[request]:
+            final = int(stop_row.argmax())
+        else:
+            final = int(torch.where(stop_row > 0, stop_row / noise[request], -1.0).argmax())
+        out[request, : len(accepted) + 1] = torch.tensor([*accepted, final], dtype=torch.int64)
+    return out

@@ -7,7 +7,7 @@ which is how the sampler skips whole steps.
 
 Seeded requests: the noise stream of a seeded request is derived from
 ``(seed, number of tokens it has generated)`` at every step
-(:func:`servelab.reference._sampling_noise.seeded_generator`). Nothing needs
+(:func:`servelab._internal.sampling_noise.seeded_generator`). Nothing needs
 to survive between steps, so a seeded request samples the same tokens
 whatever else is in the batch, wherever its row sits, and after preemption
 and recompute. Generators are created fresh by :meth:`SamplingMetadata.generators`
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from servelab.reference._sampling_noise import seeded_generator
+from servelab._internal.sampling_noise import seeded_generator
 from servelab.samplers.params import SAMPLING_EPS, SamplingParams
 
 
@@ -34,6 +34,11 @@ def _check_token_lists(name: str, lists: object, num_reqs: int, vocab_size: int)
     out = []
     for row, ids in enumerate(lists):
         as_list = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        # C-speed check of the common case (plain ints in range); the loop below
+        # runs only to name the offending entry. Called every step on every history.
+        if not as_list or (set(map(type, as_list)) == {int} and min(as_list) >= 0 and max(as_list) < vocab_size):
+            out.append(as_list)
+            continue
         for token_id in as_list:
             if not isinstance(token_id, int) or isinstance(token_id, bool):
                 raise TypeError(f"{name}[{row}] holds {token_id!r}; valid: int token ids")
@@ -41,6 +46,34 @@ def _check_token_lists(name: str, lists: object, num_reqs: int, vocab_size: int)
                 raise ValueError(f"{name}[{row}] holds token id {token_id}; valid: [0, {vocab_size})")
         out.append(as_list)
     return out
+
+
+def _check_params(sampling_params: object, vocab_size: object, eos_token_id: object) -> tuple[SamplingParams, ...]:
+    if isinstance(sampling_params, SamplingParams) or not isinstance(sampling_params, Sequence):
+        raise TypeError("sampling_params must be a sequence of SamplingParams (one per request)")
+    params = tuple(sampling_params)
+    for row, item in enumerate(params):
+        if not isinstance(item, SamplingParams):
+            raise TypeError(f"sampling_params[{row}] must be a SamplingParams, got {type(item).__name__}")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ValueError(f"vocab_size = {vocab_size!r} is invalid; valid: an int >= 1")
+    if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab_size):
+        raise ValueError(f"eos_token_id = {eos_token_id!r} is invalid; valid: None or an int in [0, {vocab_size})")
+    for item in params:
+        item.validate_token_ids(vocab_size)
+    return params
+
+
+def _allowed_token_mask(params: Sequence[SamplingParams], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """bool ``[B, V]`` (True = allowed), or None when no request has a whitelist."""
+    if all(item.allowed_token_ids is None for item in params):
+        return None
+    mask = torch.ones(len(params), vocab_size, dtype=torch.bool)
+    for row, item in enumerate(params):
+        if item.allowed_token_ids is not None:
+            mask[row] = False
+            mask[row, list(item.allowed_token_ids)] = True
+    return mask.to(device)
 
 
 def _padded(lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -60,7 +93,8 @@ class SamplingMetadata:
 
     - ``temperature`` float32 ``[B]``; ``greedy_rows`` rows with temperature < 1e-5;
       ``all_greedy`` / ``all_random`` let the sampler skip work.
-    - ``top_k`` int32 ``[B]`` (-1 = off), ``top_p`` / ``min_p`` float32 ``[B]``; None when unused.
+    - ``top_k`` int32 ``[B]`` (-1 = off; values clamped to ``V``, which also means off),
+      ``top_p`` / ``min_p`` float32 ``[B]``; None when unused.
     - ``seeded_rows``: row -> (seed, step) for seeded random requests; see :meth:`generators`.
     - ``prompt_token_ids`` / ``output_token_ids`` int64 ``[B, max_len]`` padded with ``V``, and
       ``repetition_penalties`` / ``frequency_penalties`` / ``presence_penalties`` float32 ``[B]``:
@@ -135,18 +169,7 @@ class SamplingMetadata:
             eos_token_id: the model's EOS, masked by ``min_tokens`` unless ``ignore_eos``.
             request_ids: optional ids, kept for custom processors and debugging.
         """
-        if isinstance(sampling_params, SamplingParams) or not isinstance(sampling_params, Sequence):
-            raise TypeError("sampling_params must be a sequence of SamplingParams (one per request)")
-        params = tuple(sampling_params)
-        for row, item in enumerate(params):
-            if not isinstance(item, SamplingParams):
-                raise TypeError(f"sampling_params[{row}] must be a SamplingParams, got {type(item).__name__}")
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-            raise ValueError(f"vocab_size = {vocab_size!r} is invalid; valid: an int >= 1")
-        if eos_token_id is not None and not (isinstance(eos_token_id, int) and 0 <= eos_token_id < vocab_size):
-            raise ValueError(f"eos_token_id = {eos_token_id!r} is invalid; valid: None or an int in [0, {vocab_size})")
-        for item in params:
-            item.validate_token_ids(vocab_size)
+        params = _check_params(sampling_params, vocab_size, eos_token_id)
         num_reqs = len(params)
         prompts = _check_token_lists("prompt_token_ids", prompt_token_ids, num_reqs, vocab_size)
         outputs = _check_token_lists("output_token_ids", output_token_ids, num_reqs, vocab_size)
@@ -159,8 +182,10 @@ class SamplingMetadata:
 
         greedy_rows = tuple(row for row, item in enumerate(params) if item.temperature < SAMPLING_EPS)
         random_params = [item for item in params if not item.is_greedy]
-        top_k = per_row([item.top_k for item in params], torch.int32) if any(
-            item.top_k != -1 for item in random_params) else None
+        # top_k >= vocab keeps every token (like -1): clamped here so the int32 tensor never
+        # sees a value it cannot hold (SamplingParams accepts any int >= 1).
+        top_k = per_row([min(item.top_k, vocab_size) for item in params], torch.int32) if any(
+            1 <= item.top_k < vocab_size for item in random_params) else None
         top_p = per_row([item.top_p for item in params], torch.float32) if any(
             item.top_p < 1.0 for item in random_params) else None
         min_p = per_row([item.min_p for item in params], torch.float32) if any(
@@ -172,14 +197,7 @@ class SamplingMetadata:
         }
 
         uses_penalties = any(item.uses_penalties for item in params)
-        allowed_mask = None
-        if any(item.allowed_token_ids is not None for item in params):
-            allowed_mask = torch.ones(num_reqs, vocab_size, dtype=torch.bool)
-            for row, item in enumerate(params):
-                if item.allowed_token_ids is not None:
-                    allowed_mask[row] = False
-                    allowed_mask[row, list(item.allowed_token_ids)] = True
-            allowed_mask = allowed_mask.to(device)
+        allowed_mask = _allowed_token_mask(params, vocab_size, device)
         asked = [item.logprobs for item in params if item.logprobs is not None]
 
         return cls(

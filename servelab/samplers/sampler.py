@@ -18,18 +18,27 @@ The order is the semantics (DESIGN, Samplers):
 Steps 8 (min-p), 9 and 10 are one fused op, ``top_k_top_p_sample``, from the
 Triton kernels or the PyTorch reference (see :mod:`servelab.samplers.backends`).
 A batch that is all greedy stops after step 6.
+
+Rows that cannot be sampled never get a made-up token. After step 5 (and,
+for random rows, after step 8) a row whose logits hold NaN or +inf, or whose
+every token is -inf (the whitelist, bad words, min_tokens or a processor
+masked everything), is reported in ``SamplerOutput.errors`` with token -1; the
+other rows are sampled as usual (one extra max-reduction per check, one host
+sync per call). Temperatures cannot overflow float32: ``SamplingParams``
+refuses temperatures above the float32 maximum, and any overflow a processor
+causes after scaling is caught by the same check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from servelab.reference._sampling_noise import draw_exponential_noise
-from servelab.reference.sampling import top_k_top_p_keep_mask
-from servelab.samplers.backends import check_backend_name, op_module
+from servelab._internal.sampling_filters import top_k_top_p_keep_mask
+from servelab._internal.sampling_noise import draw_exponential_noise
+from servelab.samplers.backends import check_backend_name, get_sampling_backend
+from servelab.samplers.interfaces import LogprobsOutput, SamplerOutput
 from servelab.samplers.metadata import SamplingMetadata
 from servelab.samplers.params import SAMPLING_EPS
 from servelab.samplers.penalties import apply_penalties
@@ -43,40 +52,39 @@ from servelab.samplers.processors import (
 )
 
 
-@dataclass
-class LogprobsOutput:
-    """Logprobs of the raw distribution for a batch.
+# Row problems, in the order they are reported (0 = fine).
+_ROW_OK, _ROW_NAN, _ROW_POSINF, _ROW_ALL_MASKED = 0, 1, 2, 3
+_ROW_MESSAGES = {
+    _ROW_NAN: "the logits of this request are NaN (from the model or a logits processor); nothing can be sampled",
+    _ROW_POSINF: "the logits of this request hold +inf (from the model, a logits processor, or overflow after "
+                 "temperature); nothing can be sampled",
+    _ROW_ALL_MASKED: "every token is masked for this request (allowed_token_ids, bad words, min_tokens or a "
+                     "logits processor left no token with a finite logit)",
+}
 
-    ``token_ids`` int64 ``[B, 1 + n]`` and ``logprobs`` float32 ``[B, 1 + n]``:
-    column 0 is the sampled token, columns 1..n the top-n tokens (descending),
-    ``n`` the largest ``logprobs`` asked in the batch. ``sampled_token_ranks``
-    int64 ``[B]``: 1 + the number of tokens strictly more likely than the
-    sampled one.
+
+def _row_problems(logits: torch.Tensor) -> torch.Tensor:
+    """int8 ``[R]`` problem code per row of float ``[R, V]`` logits, from one max-reduction.
+
+    ``amax`` propagates NaN, so one pass finds NaN rows, rows holding +inf and rows all -inf.
     """
-
-    token_ids: torch.Tensor
-    logprobs: torch.Tensor
-    sampled_token_ranks: torch.Tensor
-
-    def for_request(self, row: int, num_logprobs: int) -> list[tuple[int, float]]:
-        """``[(sampled id, logprob), (top-1 id, logprob), ...]`` with ``num_logprobs`` top entries."""
-        if not 0 <= num_logprobs < self.token_ids.shape[1]:
-            raise ValueError(f"num_logprobs = {num_logprobs}; valid: [0, {self.token_ids.shape[1] - 1}]")
-        ids = self.token_ids[row, : num_logprobs + 1].tolist()
-        values = self.logprobs[row, : num_logprobs + 1].tolist()
-        return list(zip(ids, values))
+    row_max = logits.amax(dim=-1)
+    codes = torch.zeros(logits.shape[0], dtype=torch.int8, device=logits.device)
+    codes = torch.where(row_max == float("-inf"), _ROW_ALL_MASKED, codes)
+    codes = torch.where(row_max == float("inf"), _ROW_POSINF, codes)
+    return torch.where(torch.isnan(row_max), _ROW_NAN, codes).to(torch.int8)
 
 
-@dataclass
-class SamplerOutput:
-    """``sampled_token_ids`` int64 ``[B]``; ``logprobs`` when some request asked for them."""
-
-    sampled_token_ids: torch.Tensor
-    logprobs: LogprobsOutput | None = None
+def _errors_of(codes: torch.Tensor) -> dict[int, str]:
+    bad = codes.nonzero().flatten().tolist() if bool(codes.any()) else []
+    values = codes[bad].tolist() if bad else []
+    return {row: _ROW_MESSAGES[code] for row, code in zip(bad, values)}
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsOutput:
-    sampled_logprob = raw_logprobs.gather(1, sampled[:, None])
+    # Rows in error carry token -1: read column 0 for them (their entry is meaningless but well-formed).
+    num_top = min(num_top, raw_logprobs.shape[-1])
+    sampled_logprob = raw_logprobs.gather(1, sampled.clamp(min=0)[:, None])
     ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
     top = raw_logprobs.topk(num_top, dim=-1)
     return LogprobsOutput(
@@ -92,11 +100,14 @@ class Sampler:
     Args:
         logits_processors: extra processors (see :mod:`servelab.samplers.processors`),
             run after the built-ins of their kind, in the order given.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the fused
-            min-p/top-k/top-p sampling op.
+        backend: ``"auto"``, a registered sampling backend name (``"torch"``,
+            ``"triton"``) or a backend object, for the fused min-p/top-k/top-p
+            sampling op (see :mod:`servelab.samplers.backends`).
+
+    Implements the :class:`servelab.samplers.interfaces.Sampler` protocol.
     """
 
-    def __init__(self, logits_processors: Sequence[LogitsProcessor] = (), *, backend: str = "auto") -> None:
+    def __init__(self, logits_processors: Sequence[LogitsProcessor] = (), *, backend: str | object = "auto") -> None:
         self.backend = check_backend_name(backend)
         for processor in logits_processors:
             check_processor(processor)
@@ -152,46 +163,75 @@ class Sampler:
         return logits
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (float ``[B, V]``, any float dtype)."""
+        """Sample one token per row of ``logits`` (float ``[R, V]``, any float dtype).
+
+        Rows that cannot be sampled get token -1 and a message in ``errors``.
+        """
         self._check(logits, metadata)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # step 1
         processed = self._apply_argmax_changing(logits, metadata)
+        problems = _row_problems(processed)
         greedy = processed.argmax(dim=-1)  # step 6
         if metadata.all_greedy or metadata.num_reqs == 0:
             sampled = greedy
         else:
-            scaled = self._apply_temperature_and_invariant(processed, metadata)
-            noise = draw_exponential_noise(
-                metadata.num_reqs,
-                metadata.vocab_size,
-                logits.device,
-                generators=metadata.generators(),
-                skip_rows=metadata.greedy_rows,
-            )
-            sampling = op_module("sampling", self.backend, logits.device)
-            # The params were validated when built: skip the op's syncing range checks.
-            sampled = sampling.top_k_top_p_sample(
-                scaled, metadata.top_k, metadata.top_p, metadata.min_p, noise, check_inputs=False
-            )
-            sampled = torch.where(metadata.temperature < SAMPLING_EPS, greedy, sampled)  # step 11
+            sampled, problems = self._sample_random_rows(processed, greedy, problems, metadata)
+        errors = _errors_of(problems)
+        if errors:
+            sampled = torch.where(problems != _ROW_OK, -1, sampled)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)  # step 12
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, errors=errors)
+
+    def _sample_random_rows(self, processed: torch.Tensor, greedy: torch.Tensor, problems: torch.Tensor,
+                            metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 7-11; returns (tokens int64 ``[R]``, updated problem codes)."""
+        random_rows = metadata.temperature >= SAMPLING_EPS
+        scaled = self._apply_temperature_and_invariant(processed, metadata)
+        problems = torch.where((problems == _ROW_OK) & random_rows, _row_problems(scaled), problems)
+        # The sampling op must not see NaN / +inf rows: give them a harmless row (their token is dropped).
+        scaled = torch.where((problems != _ROW_OK)[:, None], 0.0, scaled)
+        noise = draw_exponential_noise(
+            metadata.num_reqs,
+            metadata.vocab_size,
+            processed.device,
+            generators=metadata.generators(),
+            skip_rows=metadata.greedy_rows,
+        )
+        backend = get_sampling_backend(self.backend, processed.device)
+        # The params were validated when built: skip the op's syncing range checks.
+        sampled = backend.top_k_top_p_sample(
+            scaled, metadata.top_k, metadata.top_p, metadata.min_p, noise, check_inputs=False
+        )
+        return torch.where(random_rows, sampled, greedy), problems  # step 11
 
     def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Float32 ``[B, V]``: the distribution each row samples from (steps 2-9).
+        """Float32 ``[R, V]``: the distribution each row samples from (steps 2-9).
 
-        This is what ``rejection_sample`` expects as ``target_probs``. Greedy
-        rows get temperature 1 (only their argmax matters). Filtered tokens
-        have probability 0. For speculative decoding, build the metadata with
-        one row per verified position (the request's params repeated, its
-        output history extended by the drafts before that position), so
-        penalties and min_tokens see the history each position would have.
+        This is what the verifiers expect as ``target_probs``. Greedy rows get
+        temperature 1 (only their argmax matters). Filtered tokens have
+        probability 0. Rows that cannot be sampled are NaN; use
+        :meth:`compute_probs_and_errors` to get their messages. For speculative
+        decoding, build the metadata with one row per verified position (the
+        request's params repeated, its output history extended by the drafts
+        before that position), so penalties and min_tokens see the history
+        each position would have.
         """
+        return self.compute_probs_and_errors(logits, metadata)[0]
+
+    def compute_probs_and_errors(self, logits: torch.Tensor,
+                                 metadata: SamplingMetadata) -> tuple[torch.Tensor, dict[int, str]]:
+        """``compute_probs`` plus row -> message for the rows that cannot be sampled (NaN in the probs)."""
         self._check(logits, metadata)
-        scaled = self._apply_temperature_and_invariant(self._apply_argmax_changing(logits, metadata), metadata)
+        processed = self._apply_argmax_changing(logits, metadata)
+        scaled = self._apply_temperature_and_invariant(processed, metadata)
+        first = _row_problems(processed)
+        problems = torch.where(first != _ROW_OK, first, _row_problems(scaled))
+        bad = (problems != _ROW_OK)[:, None]
+        scaled = torch.where(bad, 0.0, scaled)
         keep = top_k_top_p_keep_mask(scaled, metadata.top_k, metadata.top_p, metadata.min_p)
-        return torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+        probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+        return torch.where(bad, float("nan"), probs), _errors_of(problems)

@@ -8,8 +8,20 @@
   ``num_tokens_with_spec`` under a token budget and a request cap; running
   requests first, then waiting ones; chunked prefill; prefix-cache hits on
   admission; preemption of a policy-chosen victim.
+- :mod:`~servelab.scheduling.transitions`: the scheduler's other half — a
+  step's results applied (blocks committed to the prefix cache only after
+  the step that computed them), ``rollback_step`` for a failed step,
+  ``fail_requests``, and fault isolation (policy code that raises fails only
+  its own request).
+- :mod:`~servelab.scheduling.queues`: ``WaitingQueue``, the default
+  policy-ordered waiting queue.
+- :mod:`~servelab.scheduling.interfaces`: the seams as code —
+  ``SchedulingPolicy`` (the ABC a policy implements; its docstring is the
+  contract), ``RequestQueue`` (a policy's waiting queue) and
+  ``SchedulerInterface`` (what an engine loop calls).
 - :mod:`~servelab.scheduling.policies`: FCFS, priority, shortest-prompt-first,
-  fair share (VTC), and the interface a new policy implements.
+  fair share (VTC); ``register_policy`` / ``get_policy`` /
+  ``available_policies``.
 - :mod:`~servelab.scheduling.output`: ``SchedulerOutput`` (what a model runner
   needs), ``ModelRunnerOutput`` (what it answers), ``RequestOutput``.
 - :mod:`~servelab.scheduling.simulator`: a real scheduler and KV cache driven
@@ -26,6 +38,7 @@ the end of its tokens, nothing for a partial prefill)::
 """
 
 from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.interfaces import RequestQueue, SchedulerInterface, SchedulingPolicy
 from servelab.scheduling.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -38,9 +51,9 @@ from servelab.scheduling.policies import (
     FairSharePolicy,
     FCFSPolicy,
     PriorityPolicy,
-    SchedulingPolicy,
     ShortestPromptFirstPolicy,
     WaitingQueue,
+    available_policies,
     get_policy,
     policy_names,
     register_policy,
@@ -51,8 +64,8 @@ from servelab.scheduling.simulator import StepCostModel, WorkloadSpec, compare_p
 
 __all__ = [
     "CachedRequestData", "FCFSPolicy", "FairSharePolicy", "ModelRunnerOutput", "NewRequestData",
-    "PriorityPolicy", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "SchedulingPolicy", "ShortestPromptFirstPolicy",
-    "StepCostModel", "WaitingQueue", "WorkloadSpec", "compare_policies", "get_policy", "policy_names",
-    "register_policy", "simulate",
+    "PriorityPolicy", "Request", "RequestMetrics", "RequestOutput", "RequestQueue", "RequestStatus", "Scheduler",
+    "SchedulerConfig", "SchedulerInterface", "SchedulerOutput", "SchedulerStats", "SchedulingPolicy",
+    "ShortestPromptFirstPolicy", "StepCostModel", "WaitingQueue", "WorkloadSpec", "available_policies",
+    "compare_policies", "get_policy", "policy_names", "register_policy", "simulate",
 ]

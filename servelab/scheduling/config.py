@@ -1,24 +1,34 @@
 """``SchedulerConfig``: the limits one scheduling step works under.
 
-Every field is checked once, here, with a ``ValueError`` naming the field, the
-value and what would be valid (never ``assert``: ``python -O`` strips it).
+Every field is checked once, here, with the shared helpers of
+:mod:`servelab._internal.validation`: ``TypeError`` for a wrong type,
+``ValueError`` for a value out of range, both naming the field
+(``SchedulerConfig.max_num_seqs``), the value and what would be valid (never
+``assert``: ``python -O`` strips it).
+
+Defaults: this is the scheduling layer's own config, for using a
+``Scheduler`` directly (tests, the simulator, benchmarks). A
+:class:`~servelab.Pipeline` never relies on these defaults: it derives a
+``SchedulerConfig`` from its ``PipelineConfig`` (the single source of the
+pipeline's defaults, see :meth:`servelab.config.PipelineConfig.scheduler_config`)
+and passes every field explicitly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelab._internal.validation import check_bool, check_int
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"SchedulerConfig.{name}={value!r} must be an int >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"SchedulerConfig.{name}={value} is invalid; valid: an int >= {minimum}")
+    check_int(f"SchedulerConfig.{name}", value, min_value=minimum)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one ``schedule()`` call.
+    """Limits of one ``schedule()`` call (defaults: standalone use only; a
+    pipeline passes every field, see the module docstring).
 
     Attributes:
         max_num_batched_tokens: token budget of one step (prompt chunks,
@@ -52,8 +62,7 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"SchedulerConfig.enable_chunked_prefill={self.enable_chunked_prefill!r} must be a bool")
+        check_bool("SchedulerConfig.enable_chunked_prefill", self.enable_chunked_prefill)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "

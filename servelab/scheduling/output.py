@@ -19,7 +19,11 @@ inputs from a ``SchedulerOutput`` alone:
   ``p - num_tokens`` from ``scheduled_spec_decode_tokens[r]`` past the known
   tokens. Position ``p`` goes to slot ``row[p // block_size] * block_size +
   p % block_size``; ``seq_len = c + n``.
-- ids in ``finished_req_ids`` and ``preempted_req_ids`` are to be dropped.
+- ids in ``finished_req_ids`` and ``preempted_req_ids`` are to be dropped
+  *before* the scheduled requests are applied: after ``rollback_step`` (or an
+  interrupted ``schedule()``), the rolled-back requests are listed in the next
+  output's ``preempted_req_ids`` and may be scheduled again in that same
+  output (resumed, or new if their first step was the one rolled back).
 
 Block ids are those of the scheduler's single KV-cache group; a row may hold
 the null block (0) for positions a sliding window released.
@@ -79,7 +83,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     """Requests that ended since the previous step (finished, aborted, failed)."""
     preempted_req_ids: set[str]
-    """Requests preempted by this step: their blocks are gone."""
+    """Requests preempted by this step, or rolled back since the previous one:
+    their blocks are gone. Drop them before applying the rest of this output."""
     total_num_kv_tokens: int = 0
     """Sum over scheduled requests of ``num_computed_tokens + scheduled``: the
     KV positions attention reads this step (what a cost model charges)."""
@@ -116,12 +121,18 @@ class ModelRunnerOutput:
     Optional, aligned with ``req_ids`` when given: ``spec_token_ids`` (draft
     tokens proposed for the next step), ``logprobs`` (passed through to the
     request's output, opaque to the scheduler).
+
+    ``errors`` maps a scheduled request's id to why the runner could not serve
+    it this step (its row could not be sampled, user code raised for it): the
+    scheduler ends that request with ``finish_reason="error"`` and this
+    message, discards any tokens given for it, and goes on with the others.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     spec_token_ids: list[list[int]] | None = None
     logprobs: list[Any] | None = None
+    errors: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
@@ -129,6 +140,14 @@ class ModelRunnerOutput:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"ModelRunnerOutput.{name} has {len(value)} entries for {n} req_ids")
+        errors = self.errors
+        if type(errors) is not dict:
+            raise TypeError(f"ModelRunnerOutput.errors must be a dict (request id -> message), "
+                            f"got {type(errors).__name__}")
+        for rid, message in errors.items():
+            if not isinstance(rid, str) or not isinstance(message, str):
+                raise TypeError(f"ModelRunnerOutput.errors must map request ids (str) to messages (str), "
+                                f"got {rid!r}: {message!r}")
 
 
 @dataclass(slots=True)

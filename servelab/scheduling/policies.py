@@ -1,124 +1,51 @@
 """Scheduling policies: which waiting request is admitted next, and which
 running request is preempted when KV memory runs out.
 
-A policy is an object with two decisions::
+The contract (who calls what, when, and what happens when a policy raises) is
+the docstring of :class:`~servelab.scheduling.interfaces.SchedulingPolicy`. A
+new policy subclasses it, implements ``key`` (and ``select_victim`` if the
+default is wrong for it) and is passed to the scheduler; nothing in the
+scheduler changes. ``register_policy(name, factory)`` makes it reachable by
+name (CLI, simulator)::
 
-    key(request)              -> sortable; waiting requests are admitted in
-                                 increasing key order
-    select_victim(running)    -> the running request to preempt (default: the
-                                 one with the largest key)
+    class LongestPromptFirst(SchedulingPolicy):
+        name = "lpf"
+        def key(self, request):
+            return -request.num_prompt_tokens
 
-and three optional hooks for policies with state (``on_request_added``,
-``on_tokens_scheduled``, ``on_request_finished``). A new policy subclasses
-:class:`SchedulingPolicy`, overrides ``key`` (and ``select_victim`` if the
-default is wrong for it), and is passed to the scheduler; nothing in the
-scheduler changes. ``register_policy`` makes it reachable by name (CLI).
+    register_policy("lpf", LongestPromptFirst)
+    Scheduler(config, kv_cache_manager, "lpf")
 
-Keys must be *static* while a request waits (they are stored in a heap). A
-policy whose order changes over time (fair share) supplies its own queue
-through ``make_waiting_queue``.
-
-Running requests are visited in admission order each step (as in vLLM); the
-policy acts through admission and preemption.
-
-Progress: the built-in victims are chosen by a static key, so the running
-request with the smallest key is never preempted while others run; it always
-advances, which rules out preemption livelock.
+Built-ins: ``"fcfs"``, ``"priority"``, ``"sjf"``, ``"vtc"`` (fair share).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from servelab.scheduling.request import Request, RequestStatus
+from servelab._internal.registry import Registry
+from servelab._internal.validation import check_number
+from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
+from servelab.scheduling.queues import WaitingQueue
+from servelab.scheduling.request import Request
 
-_FINISHED = RequestStatus.FINISHED_STOPPED
-
-
-class WaitingQueue:
-    """Waiting requests in a policy's order. Removal is lazy: an aborted
-    request's entry stays in the heap and is skipped when it reaches the top."""
-
-    def __init__(self, key: Callable[[Request], Any]) -> None:
-        self._key = key
-        self._heap: list[tuple[Any, int, Request]] = []
-        self._len = 0
-
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), request.arrival_order, request))
-        self._len += 1
-
-    def _drop_dead(self) -> None:
-        heap = self._heap
-        while heap and heap[0][2].status >= _FINISHED:
-            heapq.heappop(heap)
-
-    def peek(self) -> Request | None:
-        """The next request to admit, or None."""
-        self._drop_dead()
-        return self._heap[0][2] if self._heap else None
-
-    def pop(self) -> Request:
-        self._drop_dead()
-        self._len -= 1
-        return heapq.heappop(self._heap)[2]
-
-    def remove(self, request: Request) -> None:
-        """Forget ``request``; the caller marks it finished (that is what lets
-        its heap entry be dropped later)."""
-        self._len -= 1
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Request]:
-        """Live requests in admission order."""
-        return iter([e[2] for e in sorted(self._heap, key=lambda e: e[:2]) if e[2].status < _FINISHED])
+__all__ = [
+    "FCFSPolicy", "FairSharePolicy", "PriorityPolicy", "RequestQueue", "SchedulingPolicy",
+    "ShortestPromptFirstPolicy", "WaitingQueue", "available_policies", "get_policy", "policy_names",
+    "register_policy",
+]
 
 
-class SchedulingPolicy:
-    """Base policy: first come, first served. Subclass and override ``key``."""
+class FCFSPolicy(SchedulingPolicy):
+    """First come, first served (by ``arrival_time``); preempts the latest arrival."""
 
     name = "fcfs"
 
     def key(self, request: Request) -> Any:
-        """Sort key of a waiting request: lower is admitted first. Ties break
-        by the order requests were added."""
         return request.arrival_time
-
-    def select_victim(self, running: Sequence[Request]) -> Request:
-        """The request to preempt, among ``running`` (non-empty; may be the
-        request asking for memory, in which case it preempts itself)."""
-        key = self.key
-        return max(running, key=lambda r: (key(r), r.arrival_order))
-
-    def make_waiting_queue(self) -> WaitingQueue:
-        """The waiting queue this policy orders (called once per scheduler)."""
-        return WaitingQueue(self.key)
-
-    # ---- optional hooks (no-ops here) -----------------------------------
-
-    def on_request_added(self, request: Request) -> None:
-        """A request entered the scheduler."""
-
-    def on_tokens_scheduled(self, request: Request, num_new_tokens: int) -> None:
-        """``num_new_tokens`` of ``request`` were scheduled this step; called
-        before ``request.num_computed_tokens`` advances past them."""
-
-    def on_request_finished(self, request: Request) -> None:
-        """A request ended (any reason)."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-class FCFSPolicy(SchedulingPolicy):
-    """First come, first served; preempts the latest arrival."""
-
-    name = "fcfs"
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -170,11 +97,8 @@ class FairSharePolicy(SchedulingPolicy):
     name = "vtc"
 
     def __init__(self, prompt_weight: float = 1.0, output_weight: float = 2.0) -> None:
-        for field_name, w in (("prompt_weight", prompt_weight), ("output_weight", output_weight)):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0:
-                raise ValueError(f"FairSharePolicy.{field_name}={w!r} must be a number >= 0")
-        self.prompt_weight = float(prompt_weight)
-        self.output_weight = float(output_weight)
+        self.prompt_weight = check_number("FairSharePolicy.prompt_weight", prompt_weight, min_value=0)
+        self.output_weight = check_number("FairSharePolicy.output_weight", output_weight, min_value=0)
         self.counters: dict[str, float] = defaultdict(float)
         self.pending: dict[str, int] = defaultdict(int)
 
@@ -206,23 +130,27 @@ class FairSharePolicy(SchedulingPolicy):
 
 
 class _FairShareQueue(WaitingQueue):
-    """One FIFO heap per client; the head of the least-served client goes first."""
+    """One FIFO heap per client; the head of the least-served client goes
+    first. Entries and removal as in :class:`WaitingQueue`."""
 
     def __init__(self, policy: FairSharePolicy) -> None:
         super().__init__(policy.key)
         self._policy = policy
-        self._per_client: dict[str, list[tuple[Any, int, Request]]] = {}
+        self._per_client: dict[str, list[list[Any]]] = {}
 
     def add(self, request: Request) -> None:
-        heap = self._per_client.setdefault(request.client_id, [])
-        heapq.heappush(heap, (request.arrival_time, request.arrival_order, request))
-        self._len += 1
+        rid = request.request_id
+        if rid in self._entries:
+            raise ValueError(f"request {rid!r} is already in the waiting queue")
+        entry = [request.arrival_time, request.arrival_order, request]
+        self._push(self._per_client.setdefault(request.client_id, []), entry)
+        self._entries[rid] = entry
 
-    def _best_heap(self) -> list | None:
+    def _best_heap(self) -> list[list[Any]] | None:
         counters = self._policy.counters
         best, best_key = None, None
         for client, heap in self._per_client.items():
-            while heap and heap[0][2].status >= _FINISHED:
+            while heap and heap[0][2] is None:
                 heapq.heappop(heap)
             if heap:
                 k = (counters[client], heap[0][0], heap[0][1])
@@ -238,42 +166,51 @@ class _FairShareQueue(WaitingQueue):
         heap = self._best_heap()
         if heap is None:
             raise IndexError("pop from an empty waiting queue")
-        self._len -= 1
-        return heapq.heappop(heap)[2]
+        request = heapq.heappop(heap)[2]
+        del self._entries[request.request_id]
+        return request
 
     def __iter__(self) -> Iterator[Request]:
-        entries = [e for heap in self._per_client.values() for e in heap if e[2].status < _FINISHED]
-        return iter([e[2] for e in sorted(entries, key=lambda e: e[:2])])
+        entries = sorted(self._entries.values(), key=lambda e: (e[0], e[1]))
+        return iter([e[2] for e in entries])
 
 
-_POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {
-    "fcfs": FCFSPolicy,
-    "priority": PriorityPolicy,
-    "sjf": ShortestPromptFirstPolicy,
-    "vtc": FairSharePolicy,
-}
+def _check_policy(obj: object) -> None:
+    if not isinstance(obj, SchedulingPolicy):
+        raise TypeError(f"policy must be a registered name or a SchedulingPolicy subclass instance "
+                        f"(servelab.scheduling.SchedulingPolicy), got {type(obj).__name__}")
 
 
-def register_policy(name: str, factory: Callable[..., SchedulingPolicy]) -> None:
-    """Make ``get_policy(name)`` build policies with ``factory``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy name {name!r} must be a non-empty string")
-    if not callable(factory):
-        raise TypeError(f"factory for policy {name!r} must be callable")
-    _POLICIES[name] = factory
+_POLICIES: Registry[SchedulingPolicy] = Registry("scheduling policy", factory=True, check=_check_policy)
+_POLICIES.register("fcfs", FCFSPolicy)
+_POLICIES.register("priority", PriorityPolicy)
+_POLICIES.register("sjf", ShortestPromptFirstPolicy)
+_POLICIES.register("vtc", FairSharePolicy)
 
 
-def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+def register_policy(name: str, factory: Callable[..., SchedulingPolicy], *, override: bool = False) -> None:
+    """Make ``get_policy(name, **kwargs)`` build policies with ``factory(**kwargs)``
+    (usually the policy class; a fresh object per scheduler). A name already
+    registered raises ``ValueError`` unless ``override=True``."""
+    if not callable(factory) or isinstance(factory, SchedulingPolicy):
+        raise TypeError(f"factory for policy {name!r} must be a callable that returns a SchedulingPolicy "
+                        f"(e.g. the class), got {type(factory).__name__}")
+    _POLICIES.register(name, factory, override=override)
 
 
-def get_policy(name: str | SchedulingPolicy, **kwargs: Any) -> SchedulingPolicy:
-    """A fresh policy object by name ("fcfs", "priority", "sjf", "vtc", or a
-    registered one); a policy object is returned as is."""
-    if isinstance(name, SchedulingPolicy):
-        return name
-    if not isinstance(name, str):
-        raise TypeError(f"policy must be a name or a SchedulingPolicy subclass instance, got {type(name).__name__}")
-    if name not in _POLICIES:
-        raise ValueError(f"policy={name!r} is not known; valid: {policy_names()}")
-    return _POLICIES[name](**kwargs)
+def get_policy(name_or_obj: str | SchedulingPolicy, **kwargs: Any) -> SchedulingPolicy:
+    """A fresh policy by registered name (``kwargs`` go to its factory), or a
+    :class:`SchedulingPolicy` object as it is. Unknown name: ``ValueError``
+    listing the known ones; anything else: ``TypeError``."""
+    policy = _POLICIES.get(name_or_obj, **kwargs)
+    if isinstance(name_or_obj, str):
+        _check_policy(policy)  # a factory that built something else
+    return policy
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return _POLICIES.available()
+
+
+policy_names = available_policies  # old name

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from servelab._internal.validation import check_int, check_number
 from servelab.blocks.hashing import BlockHash, MultiModalSpan, RequestBlockHasher
 from servelab.samplers.params import SamplingParams
 
@@ -152,7 +153,7 @@ class Request:
         "num_tokens", "num_computed_tokens", "spec_token_ids", "status", "stop_reason", "error", "max_tokens",
         "min_tokens", "stop_token_ids", "block_hashes", "_hasher", "arrival_order", "num_cached_tokens",
         "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "first_scheduled_time", "first_token_time",
-        "token_times", "finish_time",
+        "token_times", "finish_time", "num_committed_blocks",
     )
 
     def __init__(
@@ -180,13 +181,11 @@ class Request:
             sampling_params = SamplingParams()
         elif not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority={priority!r} must be an int (lower is served first)")
-        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
-            raise ValueError(f"arrival_time={arrival_time!r} must be a number or None")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                         or eos_token_id < 0):
-            raise ValueError(f"eos_token_id={eos_token_id!r} must be a non-negative int or None")
+        check_int("priority", priority)  # lower is served first
+        if arrival_time is not None:
+            check_number("arrival_time", arrival_time)
+        if eos_token_id is not None:
+            check_int("eos_token_id", eos_token_id, min_value=0)
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.sampling_params = sampling_params
@@ -216,6 +215,10 @@ class Request:
         # init_block_hasher is called by add_request.
         self.block_hashes: list[BlockHash] = []
         self._hasher: RequestBlockHasher | None = None
+        # Full blocks the scheduler has made findable by prefix lookup
+        # (kv_cache_manager.cache_blocks) since the request last got blocks;
+        # it calls cache_blocks again only when computed tokens cover more.
+        self.num_committed_blocks = 0
 
         self.arrival_order = -1
         self.num_cached_tokens = -1

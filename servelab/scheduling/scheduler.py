@@ -7,57 +7,78 @@ toward the second for as many requests as a token budget
 prompt chunk, a decode token and a batch of drafts to verify are the same
 thing: tokens to compute.
 
-One ``schedule()`` call:
+One ``schedule()`` call, in named steps:
 
-1. **Running requests first**, in admission order. Each asks for
-   ``min(num_tokens_with_spec - num_computed_tokens,
+1. ``_schedule_running``: running requests first, in admission order. Each
+   asks for ``min(num_tokens_with_spec - num_computed_tokens,
    long_prefill_token_threshold, budget left, max_model_len - computed)``
    tokens and KV slots for them (plus lookahead slots for the next drafts when
-   it reaches the end of its tokens). When ``allocate_slots`` says no, the
-   policy names a victim among the running requests; the victim's blocks are
-   freed, its ``num_computed_tokens`` reset to 0 and it goes back to waiting
-   (``PREEMPTED``; the prefix cache makes the recompute cheaper), and the
-   allocation is retried. A victim already scheduled this step gives its
-   tokens back. If the request is its own victim it waits; if it is *alone*
-   and still does not fit, it never will: it finishes as failed.
-2. **Then waiting requests**, in the policy's order, if nothing was preempted
-   this step (admitting while evicting would thrash): a prefix-cache lookup
-   (capped at ``num_tokens - 1`` by the manager: the last token is always
-   recomputed for its logits), then slots for the rest (the manager's
-   watermark applies here). The first request that does not fit stops
-   admission (no overtaking, so big requests are not starved); if nothing
-   else holds KV it can never fit and finishes as failed.
+   it reaches the end of its tokens). When ``allocate_slots`` says no,
+   ``_make_room`` has the policy name a victim among the running requests; the
+   victim is preempted (``_preempt``: blocks freed, ``num_computed_tokens``
+   reset to 0, back to waiting as ``PREEMPTED``; the prefix cache makes the
+   recompute cheaper), and the allocation is retried. A victim already
+   scheduled this step gives its tokens back. If the request is its own
+   victim it waits; if it is *alone* and still does not fit, it never will:
+   it finishes as failed.
+2. ``_start_running``: the policy's ``on_tokens_scheduled`` hook, then
+   ``num_computed_tokens`` advances past this step's tokens.
+3. ``_schedule_waiting``: waiting requests, in the policy's order, if nothing
+   was preempted this step (admitting while evicting would thrash): a
+   prefix-cache lookup (capped at ``num_tokens - 1`` by the manager: the last
+   token is always recomputed for its logits), then slots for the rest (the
+   manager's watermark applies here). The first request that does not fit
+   stops admission (no overtaking, so big requests are not starved); if
+   nothing else holds KV it can never fit and finishes as failed.
 
-``update_from_output`` applies a step's results: rejected drafts roll
-``num_computed_tokens`` back, new tokens are appended (hashing blocks they
-fill), stop conditions are checked (stop token ids and EOS unless
+``update_from_output`` applies a step's results: requests named in
+``ModelRunnerOutput.errors`` end with ``finish_reason="error"``; rejected
+drafts roll ``num_computed_tokens`` back; new tokens are appended; **then**
+the request's computed full blocks are made findable by prefix lookup
+(``kv_cache_manager.cache_blocks``: *commit after compute* — a block is
+indexed only once the step that wrote its KV succeeded, so a failed step, or a
+request preempted in the step that scheduled it, never leaves uncomputed
+blocks findable); stop conditions are checked (stop token ids and EOS unless
 ``ignore_eos``, both only from ``min_tokens`` on; then ``max_tokens`` and
 ``max_model_len``), and finished requests release their blocks.
 
-Bad input:
+When the model runner fails or is interrupted, ``rollback_step(output)``
+puts the step's running requests back in the waiting queue (blocks freed,
+``num_computed_tokens = 0``); nothing they computed in earlier steps is lost
+from the prefix cache. ``schedule()`` interrupted by an exception rolls its
+own partial step back the same way before re-raising.
 
-- ``add_request`` raises ``ValueError`` (and changes nothing) for a duplicate
-  id, a prompt longer than ``max_model_len``, or a request already used; an
-  empty prompt or bad token ids are rejected earlier, by ``Request``.
-- A request that cannot fit in the KV cache even alone is *finished as
-  failed* (finish reason ``"error"``, with a message): that is only known
-  when it is scheduled. Its ``RequestOutput`` comes out of the next
-  ``update_from_output``; every other request carries on.
-- A ``ModelRunnerOutput`` naming a request not scheduled this step, or with
-  more tokens than drafts + 1, raises ``ValueError`` before any state
-  changes.
+Faults, and what they touch:
+
+- Bad input raises ``ValueError`` / ``TypeError`` before anything changes:
+  ``add_request`` (duplicate id, prompt over ``max_model_len``, a used
+  request), ``update_from_output`` (a request not scheduled this step, more
+  tokens than drafts + 1), ``fail_requests``, ``rollback_step``.
+- A request that cannot fit in the KV cache even alone finishes as failed
+  (finish reason ``"error"``, with a message) when it is scheduled.
+- Policy code (``key``, hooks, ``select_victim``) that raises an
+  ``Exception`` fails only the request it was called for (see
+  :class:`~servelab.scheduling.interfaces.SchedulingPolicy`); in
+  ``add_request`` the exception reaches the caller and the request leaves
+  no trace. Other exceptions (``KeyboardInterrupt``) propagate after the
+  scheduler's state is made consistent again: nothing half-applied, no
+  request lost, no block leaked.
 
 Every request that enters ends with exactly one final ``RequestOutput``
-(``finished=True``) from ``update_from_output``, whatever the reason.
+(``finished=True``): from ``fail_requests`` for the requests it ends,
+otherwise from ``update_from_output``.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
 from servelab.scheduling.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -66,27 +87,65 @@ from servelab.scheduling.output import (
     SchedulerOutput,
     SchedulerStats,
 )
-from servelab.scheduling.policies import SchedulingPolicy, get_policy
+from servelab.scheduling.policies import get_policy
 from servelab.scheduling.request import Request, RequestStatus
+from servelab.scheduling.transitions import RequestTransitions
 
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
 STOPPED = RequestStatus.FINISHED_STOPPED
-LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 ABORTED = RequestStatus.FINISHED_ABORTED
 FAILED = RequestStatus.FINISHED_FAILED
 _NO_BLOCKS: tuple[int, ...] = ()
+# What the scheduler calls on its KV cache manager (a subset of KVCacheManagerProtocol).
+_KV_MEMBERS = ("block_size", "enable_caching", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
+               "get_block_ids")
 
 
-class Scheduler:
-    """Continuous-batching scheduler over one ``KVCacheManager``.
+def _block_ids(blocks: list[Any]) -> list[int]:
+    """Ids of the blocks ``allocate_slots`` returned: pool blocks (``.block_id``) or, from
+    the plain reference manager, the ids themselves. A tuple holds one list per KV-cache
+    group (``HybridKVCacheManager``) and gives one id list per group."""
+    if type(blocks) is tuple:
+        return tuple([b if type(b) is int else b.block_id for b in group] for group in blocks)
+    return [b if type(b) is int else b.block_id for b in blocks]
+
+
+def _raised(who: str, exc: BaseException) -> str:
+    return f"{who} raised {type(exc).__name__}: {exc}"
+
+
+class _Step:
+    """What one ``schedule()`` call has decided so far; its phases share it."""
+
+    __slots__ = ("budget", "now", "num_scheduled", "spec_tokens", "new_blocks_of", "preempted", "cached",
+                 "new_reqs", "total_kv")
+
+    def __init__(self, budget: int, now: float) -> None:
+        self.budget = budget
+        self.now = now
+        self.num_scheduled: dict[str, int] = {}
+        self.spec_tokens: dict[str, list[int]] = {}
+        self.new_blocks_of: dict[str, tuple[Request, list]] = {}
+        self.preempted: set[str] = set()
+        self.cached = CachedRequestData()
+        self.new_reqs: list[NewRequestData] = []
+        self.total_kv = 0
+
+
+class Scheduler(RequestTransitions):
+    """Continuous-batching scheduler over one KV cache manager
+    (implements :class:`~servelab.scheduling.interfaces.SchedulerInterface`).
 
     Args:
         config: budgets and limits.
-        kv_cache_manager: a :class:`servelab.blocks.KVCacheManager` (or any
-            object with its ``get_computed_blocks``, ``allocate_slots``,
-            ``free``, ``get_block_ids``, ``block_size``, ``enable_caching``).
+        kv_cache_manager: a :class:`~servelab.blocks.interfaces.KVCacheManagerProtocol`
+            (:class:`servelab.blocks.KVCacheManager` or the reference). Uses
+            ``block_size``, ``enable_caching``, ``max_model_len``,
+            ``get_computed_blocks``, ``allocate_slots``, ``cache_blocks``,
+            ``free``, ``get_block_ids`` (and ``usage``, ``num_blocks`` for
+            reports).
         policy: a :class:`SchedulingPolicy` or a registered name ("fcfs",
             "priority", "sjf", "vtc"). A policy object serves one scheduler.
         clock: returns the current time in seconds (timestamps, metrics); the
@@ -96,27 +155,35 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache_manager,
+        kv_cache_manager: KVCacheManagerProtocol,
         policy: SchedulingPolicy | str = "fcfs",
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        missing = [m for m in _KV_MEMBERS if not hasattr(kv_cache_manager, m)]
+        if missing:
+            raise TypeError(f"kv_cache_manager ({type(kv_cache_manager).__name__}) lacks {missing}; it must implement "
+                            "servelab.blocks.interfaces.KVCacheManagerProtocol")
         kv_len = getattr(kv_cache_manager, "max_model_len", None)
         if kv_len is not None and kv_len < config.max_model_len:
             raise ValueError(f"kv_cache_manager.max_model_len={kv_len} is below SchedulerConfig.max_model_len="
                              f"{config.max_model_len}; make them equal")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.policy = get_policy(policy)
         self.clock = clock
         self.block_size: int = kv_cache_manager.block_size
-        self.waiting = self.policy.make_waiting_queue()
+        self.waiting = self._new_waiting_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Ended since the last schedule(): told to the model runner next step.
         self._finished_ids: set[str] = set()
+        # Rolled back (or preempted by an interrupted schedule()): told next step.
+        self._unreported_preempted: set[str] = set()
         # Final outputs of requests that ended outside update_from_output.
         self._pending_outputs: list[RequestOutput] = []
         self._order = itertools.count()
@@ -124,17 +191,27 @@ class Scheduler:
         self._token_hook = (self.policy.on_tokens_scheduled
                             if type(self.policy).on_tokens_scheduled is not SchedulingPolicy.on_tokens_scheduled
                             else None)
+        # Commit after compute: update_from_output indexes computed blocks.
+        self._cache_blocks = kv_cache_manager.cache_blocks if kv_cache_manager.enable_caching else None
         self.num_steps = 0
+        self.in_flight_output: SchedulerOutput | None = None
+        """The last ``schedule()`` output not yet settled by ``update_from_output`` or
+        ``rollback_step`` (what a caller interrupted around ``schedule()`` rolls back)."""
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_failed = 0
         self.num_aborted = 0
 
+    def _new_waiting_queue(self) -> RequestQueue:
+        queue = self.policy.make_waiting_queue()
+        if not isinstance(queue, RequestQueue):
+            raise TypeError(f"{self.policy!r}.make_waiting_queue() returned {type(queue).__name__}, which lacks "
+                            "the RequestQueue methods (add, peek, pop, remove, __contains__, __len__, __iter__)")
+        return queue
+
     # ---- requests in and out -------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. Raises ``ValueError`` (nothing changes) for a
-        duplicate id, a prompt over ``max_model_len`` or a used request."""
+    def _check_new_request(self, request: Request) -> None:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a servelab.scheduling.Request, got {type(request).__name__}")
         rid = request.request_id
@@ -148,45 +225,47 @@ class Scheduler:
         if request.num_prompt_tokens > self.config.max_model_len:
             raise ValueError(f"request {rid!r} has a {request.num_prompt_tokens}-token prompt, longer than "
                              f"max_model_len={self.config.max_model_len}")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises (and changes nothing) for a duplicate id, a
+        prompt over ``max_model_len`` or a used request (``ValueError``), a
+        non-``Request`` (``TypeError``), or whatever the policy's ``key`` /
+        ``on_request_added`` raise for it."""
+        self._check_new_request(request)
         if self.kv_cache_manager.enable_caching:
-            request.init_block_hasher(self.block_size)
-        if request.arrival_time is None:
+            request.init_block_hasher(self.block_size)  # may raise; touches only the request
+        stamped = request.arrival_time is None
+        if stamped:
             request.arrival_time = self.clock()
         request.arrival_order = next(self._order)
+        rid = request.request_id
         self.requests[rid] = request
-        self.waiting.add(request)
-        self.policy.on_request_added(request)
-
-    def abort_request(self, request_id: str) -> bool:
-        """End an unfinished request now (finish reason "abort"); its blocks
-        are freed. Returns False if no such request is unfinished."""
-        return self.finish_request(request_id, ABORTED)
-
-    def finish_request(self, request_id: str, status: RequestStatus = ABORTED,
-                       stop_reason: int | str | None = None) -> bool:
-        """End an unfinished request from outside with a final ``status``:
-        ``FINISHED_ABORTED`` (client went away) or ``FINISHED_STOPPED`` (e.g.
-        the detokenizer matched a stop *string*; pass it as ``stop_reason``).
-        Its final ``RequestOutput`` comes from the next ``update_from_output``.
-        Returns False if no such request is unfinished."""
-        if status not in (ABORTED, STOPPED):
-            raise ValueError(f"status={status!r}; valid: FINISHED_ABORTED or FINISHED_STOPPED")
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        if request.status is RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        if stop_reason is not None:
-            request.stop_reason = stop_reason
-        self._finish(request, status)
-        self.num_aborted += status is ABORTED
-        self._pending_outputs.append(self._final_output(request, []))
-        return True
+        try:
+            self.waiting.add(request)
+            try:
+                self.policy.on_request_added(request)
+            except BaseException:
+                self.waiting.remove(request)
+                raise
+        except BaseException as exc:
+            del self.requests[rid]
+            request.arrival_order = -1
+            if stamped:
+                request.arrival_time = None
+            exc.add_note(f"scheduling policy {self.policy!r} raised while request {rid!r} was added; "
+                         "the request was not added")
+            raise
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        """Outputs built outside ``update_from_output`` and not yet delivered
+        (requests failed or ended while scheduling, or an interrupted update's
+        finished part); ``update_from_output`` also returns them. A caller
+        with nothing left to schedule drains them here."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -200,20 +279,44 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's work (see the module docstring)."""
+        step = _Step(self.config.max_num_batched_tokens, self.clock())
+        try:
+            self._schedule_running(step)
+            self._start_running(step)
+            if not step.preempted:
+                self._schedule_waiting(step)
+        except BaseException:
+            self._undo_step(step)
+            raise
+        finished, self._finished_ids = self._finished_ids, set()
+        preempted = step.preempted
+        if self._unreported_preempted:
+            preempted |= self._unreported_preempted
+            self._unreported_preempted = set()
+        self.num_steps += 1
+        self.in_flight_output = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            scheduled_spec_decode_tokens=step.spec_tokens,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+            total_num_kv_tokens=step.total_kv,
+            step=self.num_steps,
+        )
+        return self.in_flight_output
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Step 1: tokens and KV slots for running requests, preempting for room."""
         cfg = self.config
         kv = self.kv_cache_manager
-        budget = cfg.max_num_batched_tokens
+        budget = step.budget
         threshold = cfg.long_prefill_token_threshold
         max_len = cfg.max_model_len
         lookahead = cfg.num_speculative_tokens
-        now = self.clock()
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        new_blocks_of: dict[str, tuple[Request, list]] = {}
-        preempted: set[str] = set()
+        num_scheduled, new_blocks_of, spec_tokens = step.num_scheduled, step.new_blocks_of, step.spec_tokens
         running = self.running
-
-        # 1. Running requests.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -230,34 +333,12 @@ class Scheduler:
                 continue
             ahead = lookahead if computed + n >= req.num_tokens else 0
             new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
-            while new_blocks is None:
-                if len(running) == 1:  # alone, and still no room: it never will be
-                    if ahead:
-                        new_blocks = kv.allocate_slots(req, n)
-                        if new_blocks is not None:
-                            break
-                    running.pop(i)
-                    self._fail(req, n)
-                    break
-                victim = self.policy.select_victim(running)
-                try:
-                    j = running.index(victim)
-                except ValueError:
-                    raise RuntimeError(f"policy {self.policy!r} chose {victim!r}, which is not running") from None
-                running.pop(j)
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim.request_id in num_scheduled:  # give its share of this step back
-                    budget += num_scheduled.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    del new_blocks_of[victim.request_id]
-                if j < i:
-                    i -= 1
-                if victim is req:
-                    break
-                new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
             if new_blocks is None:
-                continue  # req left `running`; running[i] is the next one
+                step.budget = budget
+                new_blocks, i = self._make_room(step, req, i, n, ahead)
+                budget = step.budget
+                if new_blocks is None:
+                    continue  # req left `running`; running[i] is the next one
             rid = req.request_id
             num_scheduled[rid] = n
             new_blocks_of[rid] = (req, new_blocks)
@@ -270,216 +351,169 @@ class Scheduler:
                 else:
                     req.spec_token_ids.clear()
             i += 1
+        step.budget = budget
 
-        cached = CachedRequestData()
-        total_kv = 0
+    def _make_room(self, step: _Step, req: Request, i: int, n: int, ahead: int) -> tuple[list | None, int]:
+        """Preempt policy-chosen victims until ``req`` (``running[i]``) gets
+        slots for ``n`` tokens. Returns its new blocks, or None when it left
+        ``running`` (its own victim, failed); and the index of the request
+        after it."""
+        kv = self.kv_cache_manager
+        running = self.running
+        while True:
+            if len(running) == 1:  # alone, and still no room: it never will be
+                if ahead:
+                    new_blocks = kv.allocate_slots(req, n)
+                    if new_blocks is not None:
+                        return new_blocks, i
+                running.pop(i)
+                self._fail(req, self._no_room_message(req, n))
+                return None, i
+            victim, error = self._select_victim(req)
+            if victim is None:
+                running.pop(i)
+                self._fail(req, error)
+                return None, i
+            j = next(k for k, r in enumerate(running) if r is victim)
+            running.pop(j)
+            rid = victim.request_id
+            if rid in step.num_scheduled:  # give its share of this step back
+                step.budget += step.num_scheduled.pop(rid)
+                step.spec_tokens.pop(rid, None)
+                del step.new_blocks_of[rid]
+            if j < i:
+                i -= 1
+            self._preempt(victim, step)
+            if victim is req:
+                return None, i
+            new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
+            if new_blocks is not None:
+                return new_blocks, i
+
+    def _select_victim(self, req: Request) -> tuple[Request | None, str]:
+        """The policy's victim, or (None, why) when the policy failed."""
+        running = self.running
+        who = f"scheduling policy {self.policy!r}.select_victim (making room for request {req.request_id!r})"
+        try:
+            victim = self.policy.select_victim(tuple(running))
+        except Exception as exc:
+            return None, _raised(who, exc)
+        if not any(r is victim for r in running):
+            return None, f"{who} chose {victim!r}, which is not running"
+        return victim, ""
+
+    def _start_running(self, step: _Step) -> None:
+        """Step 2: the accounting hook, then ``num_computed_tokens`` advances
+        past this step's tokens for every running request scheduled."""
+        num_scheduled = step.num_scheduled
+        if not num_scheduled:
+            return
+        cached = step.cached
+        c_ids, c_new, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        new_blocks_of = step.new_blocks_of
         hook = self._token_hook
-        if num_scheduled:
-            c_ids, c_new, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-            for rid, n in num_scheduled.items():
-                req, blocks = new_blocks_of[rid]
-                computed = req.num_computed_tokens
-                if hook is not None:
+        total_kv = 0
+        failed = None
+        for rid, n in num_scheduled.items():
+            req, blocks = new_blocks_of[rid]
+            computed = req.num_computed_tokens
+            if hook is not None:
+                try:
                     hook(req, n)
-                c_ids.append(rid)
-                c_new.append([b.block_id for b in blocks] if blocks else _NO_BLOCKS)
-                c_computed.append(computed)
-                total_kv += computed + n
-                req.num_computed_tokens = computed + n
-            cached.resumed = [False] * len(c_ids)
+                except Exception as exc:
+                    failed = (failed or []) + [(req, exc)]
+                    continue
+            c_ids.append(rid)
+            c_new.append(_block_ids(blocks) if blocks else _NO_BLOCKS)
+            c_computed.append(computed)
+            total_kv += computed + n
+            req.num_computed_tokens = computed + n
+        cached.resumed = [False] * len(c_ids)
+        step.total_kv = total_kv
+        for req, exc in failed or ():
+            rid = req.request_id
+            step.budget += num_scheduled.pop(rid)
+            step.spec_tokens.pop(rid, None)
+            del new_blocks_of[rid]
+            self.running.remove(req)
+            self._fail(req, _raised(f"scheduling policy {self.policy!r}.on_tokens_scheduled", exc))
 
-        # 2. Waiting requests.
-        new_reqs: list[NewRequestData] = []
-        if not preempted:
-            waiting = self.waiting
-            enable_caching = kv.enable_caching
-            while budget > 0 and len(running) < cfg.max_num_seqs:
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Step 3: admit waiting requests in the policy's order while they fit."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = step.budget
+        threshold = cfg.long_prefill_token_threshold
+        lookahead = cfg.num_speculative_tokens
+        running = self.running
+        waiting = self.waiting
+        enable_caching = kv.enable_caching
+        hook = self._token_hook
+        while budget > 0 and len(running) < cfg.max_num_seqs:
+            try:
                 req = waiting.peek()
-                if req is None:
-                    break
-                if enable_caching:
-                    hit_blocks, num_hit = kv.get_computed_blocks(req)
-                else:
-                    hit_blocks, num_hit = None, 0
-                n = req.num_tokens - num_hit
-                if threshold and n > threshold:
-                    n = threshold
-                if n > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    n = budget
-                ahead = lookahead if num_hit + n >= req.num_tokens else 0
-                new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks, ahead)
-                if new_blocks is None and ahead:
-                    new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
-                if new_blocks is None:
-                    if running:
-                        break  # wait for running requests to free blocks
-                    waiting.pop()  # alone in the cache and still no room: never
-                    self._fail(req, n + num_hit)
-                    continue
-                waiting.pop()
-                rid = req.request_id
-                resumed = req.status is PREEMPTED
-                req.status = RUNNING
-                req.num_computed_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                    req.num_cached_tokens = num_hit
-                running.append(req)
-                num_scheduled[rid] = n
-                budget -= n
-                total_kv += num_hit + n
-                if hook is not None:
-                    hook(req, n)
-                if resumed:
-                    cached.req_ids.append(rid)
-                    cached.resumed.append(True)
-                    cached.new_block_ids.append(kv.get_block_ids(req))
-                    cached.num_computed_tokens.append(num_hit)
-                    cached.resumed_token_ids[rid] = list(req.all_token_ids)
-                else:
-                    new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params,
-                                                   kv.get_block_ids(req), num_hit))
-                req.num_computed_tokens = num_hit + n
-
-        finished, self._finished_ids = self._finished_ids, set()
-        self.num_steps += 1
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
-            scheduled_spec_decode_tokens=spec_tokens,
-            finished_req_ids=finished,
-            preempted_req_ids=preempted,
-            total_num_kv_tokens=total_kv,
-            step=self.num_steps,
-        )
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_output: ModelRunnerOutput) -> list[RequestOutput]:
-        """Apply one step's results; returns one ``RequestOutput`` per request
-        that produced tokens or ended (including ends from abort/failure since
-        the last call)."""
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        req_ids = model_output.req_ids
-        sampled = model_output.sampled_token_ids
-        # Validate everything before touching any state.
-        if not num_scheduled.keys() >= set(req_ids):
-            unknown = sorted(set(req_ids) - num_scheduled.keys())
-            raise ValueError(f"ModelRunnerOutput names requests not scheduled in this step: {unknown[:5]}")
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError("ModelRunnerOutput.req_ids holds duplicates")
-        for rid, toks in zip(req_ids, sampled):
-            if len(toks) > 1 and len(toks) > len(spec_scheduled.get(rid, ())) + 1:
-                raise ValueError(f"request {rid!r} got {len(toks)} tokens but had "
-                                 f"{len(spec_scheduled.get(rid, ()))} drafts scheduled; at most drafts + 1")
-
-        outputs, self._pending_outputs = self._pending_outputs, []
-        now = self.clock()
-        max_len = self.config.max_model_len
-        num_spec = self.config.num_speculative_tokens
-        drafts_next = model_output.spec_token_ids
-        logprobs = model_output.logprobs
-        requests = self.requests
-        any_finished = False
-        if len(req_ids) < len(num_scheduled):  # silent requests produced nothing
-            given = set(req_ids)
-            missing = [r for r in num_scheduled if r not in given]
-            req_ids = list(req_ids) + missing
-            sampled = list(sampled) + [[]] * len(missing)
-
-        for idx, rid in enumerate(req_ids):
-            req = requests.get(rid)
-            if req is None or req.status is not RUNNING:
-                continue  # aborted since schedule()
-            num_tokens = req.num_tokens
-            if req.num_computed_tokens < num_tokens:
-                continue  # mid-prefill: nothing to sample (tokens given are ignored)
-            toks = sampled[idx]
-            k = len(toks)
-            # Positions past the last accepted token must be computed again:
-            # rejected drafts, or the last position when nothing came back.
-            req.num_computed_tokens = num_tokens + k - 1
-            drafts = spec_scheduled.get(rid)
-            if drafts is not None:
-                req.num_draft_tokens += len(drafts)
-                req.num_accepted_tokens += max(k - 1, 0)
-                req.spec_token_ids = []
-            if not k:
-                continue
-
-            # Stop conditions, token by token (several arrive with drafts).
-            status = None
-            stop_ids = req.stop_token_ids
-            num_out = num_tokens - req.num_prompt_tokens
-            for pos, tok in enumerate(toks):
-                num_out += 1
-                if tok in stop_ids and num_out >= req.min_tokens:
-                    status, req.stop_reason = STOPPED, tok
-                elif num_out >= req.max_tokens or num_tokens + pos + 1 >= max_len:
-                    status = LENGTH_CAPPED
-                else:
-                    continue
-                if pos + 1 < k:
-                    toks = toks[:pos + 1]
+            except Exception as exc:
+                self._waiting_queue_failed(exc)
                 break
-            req.append_output_token_ids(toks, now)
-
-            if status is None:
-                if drafts_next is not None and num_spec:
-                    proposed = drafts_next[idx]
-                    room = min(num_spec, max_len - req.num_tokens)
-                    req.spec_token_ids = list(proposed[:room]) if room > 0 else []
-                outputs.append(RequestOutput(rid, toks, logprobs=logprobs[idx] if logprobs is not None else None))
+            if req is None:
+                break
+            if enable_caching:
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
             else:
-                self._finish(req, status)
-                any_finished = True
-                out = self._final_output(req, toks)
-                if logprobs is not None:
-                    out.logprobs = logprobs[idx]
-                outputs.append(out)
-        if any_finished:
-            self.running = [r for r in self.running if r.status is RUNNING]
-        return outputs
+                hit_blocks, num_hit = None, 0
+            n = req.num_tokens - num_hit
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            ahead = lookahead if num_hit + n >= req.num_tokens else 0
+            new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks, ahead)
+            if new_blocks is None and ahead:
+                new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
+            if new_blocks is None and running:
+                break  # wait for running requests to free blocks
+            try:
+                waiting.pop()
+            except Exception as exc:
+                kv.free(req)
+                self._waiting_queue_failed(exc)
+                break
+            if new_blocks is None:  # alone in the cache and still no room: never
+                self._fail(req, self._no_room_message(req, n + num_hit))
+                continue
+            if hook is not None:
+                req.num_computed_tokens = num_hit
+                try:
+                    hook(req, n)
+                except Exception as exc:
+                    req.num_computed_tokens = 0
+                    self._fail(req, _raised(f"scheduling policy {self.policy!r}.on_tokens_scheduled", exc))
+                    continue
+            self._admit(step, req, n, num_hit)
+            budget -= n
+        step.budget = budget
 
-    # ---- internals ---------------------------------------------------------------
-
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.add(request)
-
-    def _fail(self, request: Request, num_tokens: int) -> None:
-        pool = getattr(self.kv_cache_manager, "block_pool", None)
-        num_blocks = pool.num_blocks - 1 if pool is not None else "?"
-        request.error = (
-            f"request {request.request_id!r} cannot fit in the KV cache even alone: it needs room for "
-            f"{request.num_computed_tokens + num_tokens} tokens ({self.block_size}-token blocks) and the cache "
-            f"has {num_blocks} usable blocks; add KV blocks or lower max_model_len / max_tokens"
-        )
-        self._finish(request, FAILED)
-        self.num_failed += 1
-        self._pending_outputs.append(self._final_output(request, []))
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = status
-        request.finish_time = self.clock()
-        request.spec_token_ids = []
-        rid = request.request_id
-        del self.requests[rid]
-        self._finished_ids.add(rid)
-        self.num_finished += 1
-        self.policy.on_request_finished(request)
-
-    @staticmethod
-    def _final_output(request: Request, new_token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(request.request_id, new_token_ids, True, request.finish_reason, request.stop_reason,
-                             request.error, None, request.metrics())
+    def _admit(self, step: _Step, req: Request, n: int, num_hit: int) -> None:
+        """``req`` (popped, slots allocated) starts running with ``n`` tokens
+        this step after a ``num_hit``-token prefix hit."""
+        rid = req.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(req)
+        cached = step.cached
+        if req.status is PREEMPTED:
+            cached.req_ids.append(rid)
+            cached.resumed.append(True)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_hit)
+            cached.resumed_token_ids[rid] = list(req.all_token_ids)
+        else:
+            step.new_reqs.append(NewRequestData(rid, req.prompt_token_ids, req.sampling_params, block_ids, num_hit))
+        req.status = RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = step.now
+            req.num_cached_tokens = num_hit
+        self.running.append(req)
+        step.num_scheduled[rid] = n
+        step.total_kv += num_hit + n
+        req.num_computed_tokens = num_hit + n

@@ -18,6 +18,7 @@ def admit(mgr, req, num_new=None):
     new = mgr.allocate_slots(req, num_new, hit, blocks)
     if new is not None:
         req.num_computed_tokens = hit + num_new
+        mgr.cache_blocks(req, req.num_computed_tokens)  # the step wrote their KV: commit
     return hit, new
 
 
@@ -54,6 +55,9 @@ def test_lookahead_slots_are_allocated_but_never_hashed():
     a = seq("a", 4)
     new = mgr.allocate_slots(a, 4, num_lookahead_tokens=5)
     assert len(new) == 3  # 4 + 5 slots -> 3 blocks
+    assert [b.block_hash is not None for b in new] == [False, False, False]  # nothing before compute
+    a.num_computed_tokens = 4
+    mgr.cache_blocks(a, 4)
     assert [b.block_hash is not None for b in new] == [True, False, False]
 
 
@@ -79,6 +83,8 @@ def test_sliding_window_returns_out_of_window_blocks():
     # Next token (position 12) sees 9..12: blocks 0 and 1 (tokens 0..7) are dead.
     a.append_token_ids([99])
     mgr.allocate_slots(a, 1)
+    a.num_computed_tokens = 13
+    mgr.cache_blocks(a, 13)
     assert mgr.get_block_ids(a) == [0, 0, 3, 4]
     # Their content stays cached for others: a request with the same prefix hits,
     # needing only the last window-1 tokens' blocks.
@@ -136,6 +142,8 @@ def test_bad_input_names_the_argument():
         mgr.allocate_slots(a, 9)
     mgr.allocate_slots(a, 8, num_lookahead_tokens=4)  # lookahead is clipped at max_model_len
     assert len(mgr.get_block_ids(a)) == 2
+    a.num_computed_tokens = 8
+    mgr.cache_blocks(a, 8)
     b = seq("b", 8)
     blocks, hit = mgr.get_computed_blocks(b)
     mgr.allocate_slots(b, 8 - hit, hit, blocks)

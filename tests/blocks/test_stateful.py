@@ -1,10 +1,13 @@
 """Stateful tests: the fast block pool and manager against their references.
 
 Hypothesis drives random sequences of operations on both implementations at
-once and compares every observable after every step: return values, free
-counts, reference counts, the free queue in eviction order, the prefix-cache
-index, and each request's block table. Invariants are checked on the fast
-implementation directly, so a bug shared by both still fails.
+once, under every eviction policy, and compares every observable after every
+step: return values, free counts, reference counts, the free blocks in
+hand-out (eviction) order, the prefix-cache index, each request's block table
+and the prefix-cache stats. Invariants are checked on the fast implementation
+directly, so a bug shared by both still fails: among them *commit after
+compute* (no block is findable before the step that computes it succeeded)
+and atomicity (a call that raises changes nothing).
 """
 
 from __future__ import annotations
@@ -23,13 +26,23 @@ from hypothesis.stateful import (
     rule,
 )
 
-from servelab.blocks import BlockPool, FullAttentionSpec, KVCacheManager, SlidingWindowSpec, TokenSequence
+import pytest
+
+from servelab.blocks import (
+    BlockPool,
+    FullAttentionSpec,
+    KVCacheManager,
+    SlidingWindowSpec,
+    TokenSequence,
+    available_eviction_policies,
+)
 from servelab.blocks.hashing import hash_block_tokens, none_hash
 from servelab.reference import BlockPool as RefBlockPool
 from servelab.reference import KVCacheManager as RefKVCacheManager
 
+POLICIES = st.sampled_from(["lru", "lfu", "fewest_descendants"])
 STATEFUL = settings(
-    max_examples=300,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -47,6 +60,15 @@ def check_pool_invariants(pool: BlockPool) -> None:
     assert len(held) + len(free_ids) == pool.num_blocks - 1, "a block is neither free nor held"
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
+    # Empty free blocks are handed out before any cached one.
+    empty = [b.block_id for b in pool.free_queue]
+    assert free_ids[: len(empty)] == empty
+    assert all(pool.blocks[i].block_hash is None for i in empty)
+    assert all(pool.blocks[i].block_hash is not None for i in free_ids[len(empty):])
+
+
+def pool_state(pool: BlockPool) -> tuple:
+    return (pool.free_block_ids(), pool.ref_counts(), dict(pool.cached_block_hash_to_block), pool.num_evictions)
 
 
 def assert_pools_equal(fast: BlockPool, ref: RefBlockPool) -> None:
@@ -61,10 +83,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     owned = Bundle("owned")  # lists of block ids held by one "request"
 
-    @initialize(num_blocks=st.integers(2, 12), enable_caching=st.booleans())
-    def setup(self, num_blocks: int, enable_caching: bool) -> None:
-        self.fast = BlockPool(num_blocks, enable_caching)
-        self.ref = RefBlockPool(num_blocks, enable_caching)
+    @initialize(num_blocks=st.integers(2, 12), enable_caching=st.booleans(), policy=POLICIES)
+    def setup(self, num_blocks: int, enable_caching: bool, policy: str) -> None:
+        self.fast = BlockPool(num_blocks, enable_caching, eviction_policy=policy)
+        self.ref = RefBlockPool(num_blocks, enable_caching, eviction_policy=policy)
         self.hash_counter = 0
 
     def _fast_blocks(self, ids):
@@ -113,6 +135,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.fast.free_blocks(self._fast_blocks(order))
         self.ref.free_blocks(order)
 
+    @rule(ids=owned, data=st.data())
+    def free_too_much(self, ids, data):
+        """Free a list that holds one reference too many: both pools refuse and
+        nothing changes (atomic), whatever came before the bad entry."""
+        if not ids:
+            return
+        extra = data.draw(st.sampled_from(ids))
+        times = self.ref.ref_cnt[extra] + 1  # one more than it is referenced
+        order = data.draw(st.permutations(list(ids) + [extra] * (times - ids.count(extra))))
+        before = pool_state(self.fast)
+        with pytest.raises(ValueError):
+            self.fast.free_blocks(self._fast_blocks(order))
+        with pytest.raises(ValueError):
+            self.ref.free_blocks(order)
+        assert pool_state(self.fast) == before
+
     @rule()
     def reset(self):
         assert self.fast.reset_prefix_cache() == self.ref.reset_prefix_cache()
@@ -143,11 +181,12 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(2, 24),
         window=st.one_of(st.none(), st.integers(1, 12)),
         watermark=st.sampled_from([0.0, 0.1, 0.3]),
+        policy=POLICIES,
     )
-    def setup(self, block_size, num_blocks, window, watermark):
+    def setup(self, block_size, num_blocks, window, watermark, policy):
         common = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16")
         spec = FullAttentionSpec(**common) if window is None else SlidingWindowSpec(**common, sliding_window=window)
-        kwargs = dict(max_model_len=MAX_MODEL_LEN, watermark=watermark)
+        kwargs = dict(max_model_len=MAX_MODEL_LEN, watermark=watermark, eviction_policy=policy)
         self.fast = KVCacheManager(spec, num_blocks, True, **kwargs)
         self.ref = RefKVCacheManager(spec, num_blocks, True, **kwargs)
         self.block_size = block_size
@@ -171,9 +210,21 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert (None if fast is None else [b.block_id for b in fast]) == ref
         return ref is not None
 
+    def _commit(self, req, num_computed):
+        """The step that computed ``req``'s tokens up to ``num_computed`` succeeded."""
+        self.fast.cache_blocks(req, num_computed)
+        self.ref.cache_blocks(req, num_computed)
+
+    def _preempt(self, req):
+        self.fast.free(req)
+        self.ref.free(req)
+        req.num_computed_tokens = 0
+        self.running.remove(req)
+        self.waiting.append(req)
+
     @precondition(lambda self: self.waiting)
-    @rule(data=st.data(), chunk=st.integers(1, 16))
-    def admit(self, data, chunk):
+    @rule(data=st.data(), chunk=st.integers(1, 16), fails=st.booleans())
+    def admit(self, data, chunk, fails):
         req = data.draw(st.sampled_from(self.waiting))
         fast_blocks, fast_hit = self.fast.get_computed_blocks(req)
         ref_blocks, ref_hit = self.ref.get_computed_blocks(req)
@@ -184,24 +235,49 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             req.num_computed_tokens = fast_hit + num_new
             self.waiting.remove(req)
             self.running.append(req)
+            if fails:  # the step failed: rolled back like Scheduler.rollback_step
+                self._preempt(req)
+            else:
+                self._commit(req, req.num_computed_tokens)
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), chunk=st.integers(1, 16), lookahead=st.integers(0, 3), token=st.integers(0, 49))
-    def step(self, data, chunk, lookahead, token):
+    @rule(data=st.data(), chunk=st.integers(1, 16), lookahead=st.integers(0, 3), token=st.integers(0, 49),
+          outcome=st.sampled_from(["ok", "ok", "ok", "fails", "late_commit"]))
+    def step(self, data, chunk, lookahead, token, outcome):
         req = data.draw(st.sampled_from(self.running))
         if req.num_computed_tokens == req.num_tokens:
             if req.num_tokens >= MAX_MODEL_LEN:
                 return self._finish(req)
             req.append_token_ids([token])  # the token sampled by the previous step
         num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
-        if self._allocate(req, num_new, lookahead=lookahead):
-            req.num_computed_tokens += num_new
-        else:  # preempt: drop everything, recompute later
-            self.fast.free(req)
-            self.ref.free(req)
-            req.num_computed_tokens = 0
-            self.running.remove(req)
-            self.waiting.append(req)
+        if not self._allocate(req, num_new, lookahead=lookahead):
+            return self._preempt(req)  # drop everything, recompute later
+        if outcome == "fails":  # model execution failed: nothing computed is committed
+            return self._preempt(req)
+        req.num_computed_tokens += num_new
+        if outcome == "ok":
+            self._commit(req, req.num_computed_tokens)
+        # "late_commit": the commit comes with a later step (commit_some)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def commit_some(self, data):
+        """cache_blocks is incremental and idempotent: any computed length, any time."""
+        req = data.draw(st.sampled_from(self.running))
+        self._commit(req, data.draw(st.integers(0, req.num_computed_tokens)))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), extra=st.integers(1, 8))
+    def bad_calls_change_nothing(self, data, extra):
+        req = data.draw(st.sampled_from(self.running))
+        before = (pool_state(self.fast.block_pool), self.fast.get_block_ids(req))
+        with pytest.raises(ValueError):  # more than the request has
+            self.fast.cache_blocks(req, req.num_tokens + extra)
+        with pytest.raises(ValueError):
+            self.ref.cache_blocks(req, req.num_tokens + extra)
+        with pytest.raises(ValueError):  # past max_model_len
+            self.fast.allocate_slots(req, MAX_MODEL_LEN + extra)
+        assert (pool_state(self.fast.block_pool), self.fast.get_block_ids(req)) == before
 
     def _finish(self, req):
         self.fast.free(req)
@@ -232,7 +308,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         refs = self.fast.block_pool.ref_counts()
         held = sum(1 for r in self.running for i in self.fast.get_block_ids(r) if i != 0)
         assert sum(refs) == held, "reference counts must equal the blocks requests hold"
-        assert self.fast.prefix_cache_stats.hit_tokens == self.ref.hit_tokens
+        assert self.fast.prefix_cache_stats == self.ref.prefix_cache_stats
+        # Commit after compute: a request's indexed blocks hold computed tokens only.
+        for req in self.running:
+            for i, block in enumerate(self.fast.get_blocks(req.request_id)):
+                if block.block_hash is not None:
+                    assert (i + 1) * self.block_size <= req.num_computed_tokens, (
+                        f"block {block.block_id} at position {i} of {req!r} is findable before it was computed")
 
     def teardown(self):
         if not hasattr(self, "fast"):
@@ -246,3 +328,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
 TestKVCacheManagerStateful = KVCacheManagerMachine.TestCase
 TestKVCacheManagerStateful.settings = STATEFUL
+
+
+def test_every_registered_builtin_policy_is_modelled_by_the_reference():
+    assert {"lru", "lfu", "fewest_descendants"} <= set(available_eviction_policies())

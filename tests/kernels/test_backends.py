@@ -9,15 +9,16 @@ import pytest
 import torch
 from attention_cases import build_case
 
-from servelab.backends import (
+from servelab.attention.backends import (
     AttentionBackend,
-    TorchAttentionBackend,
+    AttentionCapabilities,
     UnsupportedInputError,
     available_attention_backends,
     get_attention_backend,
     register_attention_backend,
     triton_device_problem,
 )
+from servelab.reference.attention_backend import TorchAttentionBackend
 
 
 def test_lookup_by_name_and_unknown_name_lists_valid_ones():
@@ -98,13 +99,86 @@ def test_register_custom_backend():
                                    2 * get_attention_backend("torch").paged_attention(*case.args()))
         with pytest.raises(ValueError, match="already registered"):
             register_attention_backend("doubling-test", Doubling)
-        register_attention_backend("doubling-test", TorchAttentionBackend, replace=True)
+        register_attention_backend("doubling-test", TorchAttentionBackend, override=True)
+        assert type(get_attention_backend("doubling-test")) is TorchAttentionBackend
+        instance = Doubling()
+        register_attention_backend("doubling-test", instance, override=True)
+        assert get_attention_backend("doubling-test") is instance
+        with pytest.raises(TypeError, match="lacks"):
+            register_attention_backend("broken", object())
         with pytest.raises(TypeError):
-            register_attention_backend("broken", "not callable")
+            register_attention_backend("broken", "not a lazy string")
+        for bad in ("", " padded ", 3):
+            with pytest.raises(ValueError, match="invalid"):
+                register_attention_backend(bad, Doubling)
+        assert "broken" not in available_attention_backends()
     finally:
-        from servelab import backends
+        register_attention_backend("doubling-test", TorchAttentionBackend, override=True)
 
-        backends._REGISTRY.pop("doubling-test", None)
+
+def test_builtin_names_auto_and_objects():
+    assert {"sdpa", "torch", "triton"} <= set(available_attention_backends())
+    assert get_attention_backend("auto").name == "sdpa"  # on a CPU
+    backend = get_attention_backend("sdpa")
+    assert get_attention_backend(backend) is backend  # an object passes through
+    with pytest.raises(TypeError, match="lacks"):
+        get_attention_backend(object())
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*'sdpa'"):
+        get_attention_backend("flash")
+
+
+def test_capabilities_have_defaults():
+    caps = AttentionCapabilities()
+    assert caps.max_head_size is None and caps.block_sizes == (1, None) and "gqa" in caps.features
+    assert torch.float32 in caps.dtypes and "cpu" in caps.device_types
+
+
+def test_user_backend_in_a_few_lines_runs_the_model():
+    """A researcher's backend through the public API only (the README's example)."""
+    from servelab.models import AttentionMetadata, LlamaForCausalLM, ModelConfig, allocate_kv_caches, tiny_config
+
+    calls = []
+
+    class Counting(AttentionBackend):  # only the attention op; KV write and merge use the defaults
+        name = "counting"
+
+        def _paged_attention(self, query, *args, **kwargs):
+            calls.append(query.shape[0])
+            return get_attention_backend("sdpa").paged_attention(query, *args, **kwargs)
+
+    register_attention_backend("counting-test", Counting, override=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.from_hf(tiny_config()), "counting-test").eval()
+    caches = allocate_kv_caches(model, num_blocks=4, block_size=4)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    meta = AttentionMetadata(torch.arange(4, 7), i32(1, 2).view(1, 2), i32(3), i32(0, 3))
+    with torch.inference_mode():
+        hidden = model(torch.tensor([1, 5, 9]), torch.arange(3), caches, meta)
+        model.attention = "sdpa"
+        expected = model(torch.tensor([1, 5, 9]), torch.arange(3), caches, meta)
+    assert calls == [3] * model.config.num_hidden_layers
+    torch.testing.assert_close(hidden, expected)
+
+
+def test_default_write_and_merge_match_the_references():
+    from servelab.attention import ops
+    from servelab.reference import merge_attn_states, reshape_and_cache
+
+    torch.manual_seed(0)
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([3, -1, 17, 0, 9])
+    caches = [torch.zeros(4, 8, 2, 8) for _ in range(4)]
+    ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reshape_and_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(ValueError, match="same slot twice"):
+        ops.reshape_and_cache(key, value, caches[0], caches[1], torch.tensor([3, 3, 1, 2, 4]))
+    lse_a = torch.tensor([[0.5, float("-inf")], [float("-inf"), float("-inf")]] * 2 + [[1.0, 2.0]])
+    lse_b = torch.tensor([[1.5, 0.0], [float("-inf"), float("-inf")]] * 2 + [[float("-inf"), 2.0]])
+    got = ops.merge_attn_states(key, lse_a, value, lse_b)
+    want = merge_attn_states(key, lse_a, value, lse_b)
+    torch.testing.assert_close(got, want)
+    assert not torch.isnan(got[0]).any()
 
 
 def _run_python(code, **env):
@@ -122,8 +196,8 @@ def test_without_interpreter_or_gpu_triton_reports_zero_active_drivers():
     out = _run_python(
         """
         import sys, torch
-        from servelab.backends import get_attention_backend, UnsupportedInputError
-        assert "triton" not in sys.modules, "servelab.backends must not import triton"
+        from servelab.attention.backends import get_attention_backend, UnsupportedInputError
+        assert "triton" not in sys.modules, "servelab.attention.backends must not import triton"
         backend = get_attention_backend("triton")
         print("REASON:", backend.supports(torch.randn(2, 2, 16)))
         from servelab.kernels import paged_attention
@@ -151,7 +225,7 @@ def test_backends_module_imports_without_triton():
         import sys
         sys.modules["triton"] = None  # as on macOS / Windows: import triton fails
         import torch
-        from servelab.backends import get_attention_backend
+        from servelab.attention.backends import get_attention_backend
         backend = get_attention_backend("triton")
         print(backend.supports(torch.randn(2, 2, 16)))
         print(get_attention_backend("torch").supports(torch.randn(2, 2, 16)))

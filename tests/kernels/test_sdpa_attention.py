@@ -6,9 +6,9 @@ from attention_cases import CACHE_LAYOUTS, TOLERANCES, as_float64, build_case, s
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from servelab.backends import UnsupportedInputError, get_attention_backend
+from servelab.attention.backends import UnsupportedInputError, get_attention_backend
 from servelab.reference import paged_attention as reference_attention
-from servelab.sdpa_attention import paged_attention as sdpa_attention
+from servelab.attention.sdpa import paged_attention as sdpa_attention
 
 HEAD_LAYOUTS = [(1, 1), (4, 2), (6, 3), (8, 1), (5, 1), (16, 2)]
 
@@ -68,3 +68,42 @@ def test_sdpa_backend_declares_what_it_cannot_do():
         sdpa_attention(*case.args(), softcap=5.0)
     empty = build_case([0], [0], num_q_heads=2, num_kv_heads=1, head_size=8, block_size=4, dtype=torch.float32)
     assert sdpa_attention(*empty.args()).shape == (0, 2, 8)
+
+
+@settings(max_examples=40)
+@given(problem=problems(dtypes=(torch.float32,)))
+def test_gqa_fallback_and_shared_plan_match_reference(problem):
+    """The pre-2.5 query-folding GQA path, and one plan reused across calls (as the
+    model does across layers), give the reference's result."""
+    import servelab.attention.sdpa as sdpa
+
+    case, options = problem
+    expected = reference_attention(*case.args(), **options)
+    plan = sdpa.plan_attention(case.block_table, case.seq_lens, case.query_start_loc,
+                               block_size=case.key_cache.shape[1], causal=options["causal"],
+                               sliding_window=options["sliding_window"])
+    native = sdpa.GQA_NATIVE
+    try:
+        for flag in (True, False):
+            sdpa.GQA_NATIVE = flag
+            for _ in range(2):
+                actual = sdpa_attention(*case.args(), plan=plan, **options)
+                torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        sdpa.GQA_NATIVE = native
+
+
+def test_plan_splits_decodes_from_prefills_and_refuses_other_metadata():
+    from servelab.attention.sdpa import plan_attention
+
+    case = build_case([1, 5, 1, 0, 3], [9, 5, 2, 4, 12], num_q_heads=4, num_kv_heads=2, head_size=8,
+                      block_size=4, dtype=torch.float32)
+    plan = plan_attention(case.block_table, case.seq_lens, case.query_start_loc, block_size=4)
+    decode, prefill = plan.groups
+    assert decode.q_index.shape == (2, 1) and decode.kv_blocks.shape == (2, 9)  # no padding to the prompts
+    assert prefill.q_index.shape == (2, 5) and prefill.kv_blocks.shape == (2, 12)
+    assert sorted(torch.cat([decode.out_dst, prefill.out_dst]).tolist()) == list(range(10))
+    torch.testing.assert_close(sdpa_attention(*case.args(), plan=plan), reference_attention(*case.args()),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="plan was made for"):
+        sdpa_attention(*case.args(), plan=plan, sliding_window=3)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -164,3 +165,79 @@ def test_build_tiny_model_errors(tmp_path):
         build_tiny_model(tmp_path / "a", arch="gpt2")
     with pytest.raises(ValueError, match=r"vocab_size=100 must be an int >= the tokenizer's 512"):
         build_tiny_model(tmp_path / "b", vocab_size=100)
+
+
+# ---- damaged files, odd-but-valid folders (loaders name the file and what is wrong) ----
+
+def test_zero_byte_safetensors(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors'.*the file is empty \(0 bytes\)"):
+        load_model(ckpt)
+
+
+def test_truncated_safetensors(ckpt):
+    file = ckpt / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"model\.safetensors'.*\({len(data) // 2} bytes\) is truncated or corrupt"):
+        load_model(ckpt)
+
+
+def test_nan_weight_is_refused_naming_the_tensor(ckpt):
+    def poison(w):
+        w["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    edit_weights(ckpt, poison)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.down_proj\.weight'.*1 non-finite.*index \(3, 5\)"):
+        load_model(ckpt)
+
+
+def test_weight_overflowing_half_precision_is_refused(ckpt):
+    edit_weights(ckpt, lambda w: w["model.norm.weight"].__setitem__(0, 1e6))
+    load_model(ckpt)  # fine in float32
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight'.*non-finite.*torch\.float16"):
+        load_model(ckpt, dtype=torch.float16)
+
+
+def test_eos_outside_the_vocabulary(ckpt):
+    edit_config(ckpt, eos_token_id=512)
+    with pytest.raises(ValueError, match=r"eos_token_id=512 in config\.json is invalid.*valid: ints in \[0, 512\)"):
+        load_model(ckpt)
+    edit_config(ckpt, eos_token_id=2)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, -1]}))
+    with pytest.raises(ValueError, match=r"eos_token_id=\[2, -1\] in generation_config\.json.*-1 is outside"):
+        load_model(ckpt)
+
+
+def test_checkpoint_without_tokenizer_loads_for_token_ids(ckpt):
+    from servelab import Pipeline
+    from servelab.models import load_tokenizer
+    from servelab.models.tokenizer import TOKENIZER_FILES
+    from servelab.samplers import SamplingParams
+
+    for name in TOKENIZER_FILES + ("special_tokens_map.json",):
+        (ckpt / name).unlink(missing_ok=True)
+    model, _ = load_model(ckpt)
+    with pytest.warns(UserWarning, match=r"no tokenizer files.*prompts must be token ids"):
+        assert load_tokenizer(ckpt) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note above; the pipeline may also check the files itself
+        pipe = Pipeline.from_pretrained(ckpt)
+    assert pipe.tokenizer is None
+    out = pipe.generate([[1, 5, 9]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    try:  # a text prompt fails (the call, or just that request) saying token ids are needed
+        text_out = pipe.generate("hello", SamplingParams(max_tokens=2))
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        assert text_out[0].finish_reason == "error"
+        message = text_out[0].error
+    assert "token ids" in message
+
+
+def test_broken_tokenizer_is_an_error_not_none(ckpt):
+    from servelab.models import load_tokenizer
+
+    (ckpt / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"cannot load the tokenizer in .*ckpt"):
+        load_tokenizer(ckpt)

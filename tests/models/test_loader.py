@@ -9,7 +9,7 @@ from model_harness import ATOL, hf_logits, load_hf, random_prompts, run_schedule
 from safetensors import safe_open
 
 import servelab.reference
-from servelab.backends import get_attention_backend
+from servelab.attention.backends import get_attention_backend
 from servelab.blocks import KVCacheBuffers
 from servelab.models import (
     allocate_kv_caches,
@@ -177,3 +177,35 @@ def test_cuda_model_matches_cpu(checkpoints, dtype, tol):
     starts = meta.query_start_loc.tolist()
     for i, seq in enumerate(seqs):
         assert (logits[starts[i]:starts[i + 1]] - hf_logits(ck.hf, seq)).abs().max() < tol
+
+
+def test_eos_ids_and_defaults_from_generation_config(tmp_path):
+    """EOS ids of config.json and generation_config.json are merged (config first, no
+    duplicates); the generation config's sampling fields become generation_defaults."""
+    from servelab.models import load_config
+
+    path = build_tiny_model(tmp_path / "gen", arch="llama", eos_token_id=[2, 5])
+    (path / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [7, 2], "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 64,
+        "do_sample": True, "repetition_penalty": None, "bos_token_id": 1}))
+    config = load_config(path)
+    assert config.eos_token_ids == (2, 5, 7)
+    assert dict(config.generation_defaults) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_tokens": 64}
+    from servelab.samplers import SamplingParams
+    SamplingParams(**config.generation_defaults)  # the names are SamplingParams' own
+    (path / "generation_config.json").unlink()
+    bare = load_config(path)
+    assert bare.eos_token_ids == (2, 5) and dict(bare.generation_defaults) == {}
+
+
+def test_pipeline_stops_on_an_eos_listed_only_in_generation_config(tmp_path):
+    from servelab import Pipeline
+    from servelab.samplers import SamplingParams
+
+    path = build_tiny_model(tmp_path / "eos", arch="qwen2", seed=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    free = Pipeline.from_pretrained(path).generate([[1, 40, 41, 42]], greedy)[0].token_ids
+    stop_at = next(i for i, t in enumerate(free) if t not in free[:i] and t != 2 and i >= 2)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[stop_at]]}))
+    out = Pipeline.from_pretrained(path).generate([[1, 40, 41, 42]], greedy)[0]
+    assert out.token_ids == free[:stop_at + 1] and out.finish_reason == "stop"

@@ -22,10 +22,21 @@ SCHEDULES = {
 }
 
 
+@pytest.fixture(params=["torch", "sdpa"])
+def backend(request, checkpoints):
+    """Run the test with each CPU attention backend set on every model, then restore the default."""
+    saved = {arch: ck.model.attention for arch, ck in checkpoints.items()}
+    for ck in checkpoints.values():
+        ck.model.attention = request.param
+    yield request.param
+    for arch, ck in checkpoints.items():
+        ck.model.attention = saved[arch]
+
+
 @pytest.mark.parametrize("mode", list(SCHEDULES))
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_hf(checkpoints, arch, block_size, mode):
+def test_logits_match_hf(checkpoints, backend, arch, block_size, mode):
     ck = checkpoints[arch]
     prompt_lens, budget = SCHEDULES[mode]
     sequences = random_prompts(LENGTHS, ck.config.vocab_size, seed=block_size)
@@ -60,7 +71,7 @@ PROMPTS = ["The cache", "On a quiet morning the baker", "def add(a, b):", "Boats
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generate_matches_hf(checkpoints, arch):
+def test_greedy_generate_matches_hf(checkpoints, backend, arch):
     ck = checkpoints[arch]
     tok = load_tokenizer(ck.path)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]

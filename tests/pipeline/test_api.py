@@ -8,10 +8,9 @@ import sys
 import pytest
 from pipeline_helpers import assert_no_leaks, random_prompts
 
-from servelab import Pipeline
+from servelab import Pipeline, SamplingParams
 from servelab.models import load_tokenizer
 from servelab.pipeline import GenerationOutput, RunMetrics, StreamEvent
-from servelab.samplers import SamplingParams
 
 TEXTS = ["The cache holds", "On a quiet morning the baker", "for i in range(10):", "Boats carry wood"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -202,18 +201,18 @@ def test_import_servelab_stays_cheap():
 def test_built_from_components(tiny):
     from pipeline_helpers import hf_greedy
 
-    from servelab.backends import get_attention_backend
+    from servelab.attention.backends import get_attention_backend
     from servelab.blocks import KVCacheManager
     from servelab.models import kv_cache_spec, load_model
     from servelab.samplers import Sampler
-    from servelab.scheduling import FCFSPolicy, SchedulerConfig
+    from servelab.scheduling import FCFSPolicy
 
     model, _ = load_model(tiny["qwen2"])
     manager = KVCacheManager(kv_cache_spec(model, 8), 40, enable_caching=False, max_model_len=128)
-    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=3, max_model_len=128)
     pipe = Pipeline(model, load_tokenizer(tiny["qwen2"]), attention_backend=get_attention_backend("torch"),
-                    kv_cache_manager=manager, scheduler_config=config, policy=FCFSPolicy(),
+                    kv_cache_manager=manager, max_num_batched_tokens=32, max_num_seqs=3, policy=FCFSPolicy(),
                     sampler=Sampler(backend="torch"))
+    assert pipe.scheduler.config.max_num_batched_tokens == 32 and not pipe.config.cache.enable_prefix_caching
     assert (pipe.block_size, pipe.num_blocks, pipe.max_model_len) == (8, 40, 128)
     prompts = random_prompts([3, 30, 12, 21], seed=15)
     outs = pipe.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
@@ -223,6 +222,9 @@ def test_built_from_components(tiny):
 
 
 def test_configuration_errors_name_the_problem(tiny):
+    from servelab.blocks import KVCacheManager
+    from servelab.models import kv_cache_spec, load_model
+
     class Picky:
         name = "picky"
 
@@ -240,3 +242,7 @@ def test_configuration_errors_name_the_problem(tiny):
         Pipeline.from_pretrained(tiny["llama"], max_model_len=1000)
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         Pipeline("not a model")
+    model, _ = load_model(tiny["llama"])
+    manager = KVCacheManager(kv_cache_spec(model, 8), 40, max_model_len=128)
+    with pytest.raises(ValueError, match="block_size given together with kv_cache_manager"):
+        Pipeline(model, kv_cache_manager=manager, block_size=16)

@@ -8,8 +8,8 @@ import torch
 from pipeline_helpers import assert_no_leaks, hf_greedy, random_prompts
 
 from servelab import Pipeline
-from servelab.pipeline import DraftModelDrafter, DraftRequest
-from servelab.samplers import NgramDrafter, SamplingParams
+from servelab.samplers import SamplingParams
+from servelab.samplers.drafters import DraftModelDrafter, DraftRequest, NgramDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
@@ -105,7 +105,7 @@ def test_drafter_and_k_come_together(tiny):
         Pipeline.from_pretrained(tiny["llama"], drafter="ngram")
     with pytest.raises(ValueError, match="drafter"):
         Pipeline.from_pretrained(tiny["llama"], num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="neither 'ngram' nor a checkpoint"):
+    with pytest.raises(ValueError, match="not a checkpoint folder with a config.json"):
         Pipeline.from_pretrained(tiny["llama"], drafter="/nonexistent/folder", num_speculative_tokens=2)
     pipe = Pipeline.from_pretrained(tiny["llama"], drafter=NgramDrafter(min_n=1, max_n=2), num_speculative_tokens=2)
     assert isinstance(pipe.drafter, NgramDrafter)

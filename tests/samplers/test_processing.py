@@ -163,7 +163,7 @@ def test_sampler_rejects_bad_processors_and_mismatched_logits():
         Sampler([type("NoFlag", (), {"apply": lambda self, logits, md: logits})()])
     with pytest.raises(TypeError, match="no apply"):
         Sampler([object()])
-    with pytest.raises(ValueError, match="backend = 'cuda' is invalid"):
+    with pytest.raises(ValueError, match="unknown sampling backend 'cuda'; known: 'auto', 'torch', 'triton'"):
         Sampler(backend="cuda")
     md = metadata([SamplingParams()])
     with pytest.raises(ValueError, match=r"logits has shape \(1, 5\) but the metadata describes \(1, 6\)"):

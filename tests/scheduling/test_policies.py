@@ -8,13 +8,27 @@ from sched_helpers import make_scheduler, req, run_to_end, step
 
 from servelab.scheduling import (
     FairSharePolicy,
+    FCFSPolicy,
     PriorityPolicy,
+    RequestQueue,
     SchedulingPolicy,
     ShortestPromptFirstPolicy,
+    available_policies,
     get_policy,
     policy_names,
     register_policy,
 )
+
+
+@pytest.fixture(autouse=True)
+def _restore_policy_registry():
+    """Policies registered by a test do not outlive it (the registry is process-wide)."""
+    from servelab.scheduling import policies
+
+    saved = dict(policies._POLICIES._entries)
+    yield
+    policies._POLICIES._entries.clear()
+    policies._POLICIES._entries.update(saved)
 
 
 def admission_order(policy, requests) -> list[str]:
@@ -134,8 +148,61 @@ def test_a_user_defined_policy_plugs_in_without_touching_the_scheduler():
     assert s.kv_cache_manager.num_free_blocks == 6
 
 
+def test_a_user_policy_plugs_in_through_the_public_api_in_30_lines():
+    # --- the user's code: only public names (the README's "how to swap it" example) ---
+    from servelab.blocks import FullAttentionSpec, KVCacheManager
+    from servelab.scheduling import ModelRunnerOutput, Request, Scheduler, SchedulerConfig, SchedulingPolicy
+    from servelab.scheduling import register_policy as register
+
+    class DeadlineFirst(SchedulingPolicy):
+        """Earliest deadline (a per-client SLO) first."""
+
+        name = "edf"
+
+        def __init__(self, slo_s: dict[str, float] | None = None):
+            self.slo_s = slo_s or {}
+
+        def key(self, request):
+            return request.arrival_time + self.slo_s.get(request.client_id, 10.0)
+
+    register("edf", DeadlineFirst)
+    kv = KVCacheManager(FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32"), 64)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1), kv, "edf")
+    for rid, client in [("batch", "offline"), ("chat", "interactive")]:
+        sched.add_request(Request(rid, [1, 2, 3], client_id=client, arrival_time=0.0))
+    sched.policy.slo_s.update(interactive=0.5)  # only read for requests added later
+    sched.add_request(Request("chat2", [4, 5], client_id="interactive", arrival_time=0.0))
+    order = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        order += [d.req_id for d in out.scheduled_new_reqs]
+        sched.update_from_output(out, ModelRunnerOutput(list(out.num_scheduled_tokens), [[9]] * out.num_reqs))
+    # --- end of the user's code (27 lines) ---
+    assert order == ["chat2", "batch", "chat"]
+    assert isinstance(get_policy("edf", slo_s={"x": 1.0}), DeadlineFirst)
+
+
+def test_registry_semantics():
+    assert available_policies() == policy_names() and {"fcfs", "priority", "sjf", "vtc"} <= set(available_policies())
+    with pytest.raises(ValueError, match="'fcfs' is already registered; pass override=True"):
+        register_policy("fcfs", PriorityPolicy)
+    with pytest.raises(ValueError, match="name=' x' is invalid"):
+        register_policy(" x", PriorityPolicy)
+    with pytest.raises(TypeError, match="callable that returns a SchedulingPolicy"):
+        register_policy("obj", PriorityPolicy())
+    register_policy("weird", lambda: object())
+    with pytest.raises(TypeError, match="SchedulingPolicy subclass instance"):
+        get_policy("weird")
+    with pytest.raises(TypeError, match="options"):
+        get_policy(FCFSPolicy(), output_weight=2.0)
+    assert get_policy("vtc", output_weight=4.0).output_weight == 4.0
+    assert isinstance(get_policy("fcfs").make_waiting_queue(), RequestQueue)
+    with pytest.raises(TypeError, match="abstract"):
+        SchedulingPolicy()
+
+
 def test_get_policy_errors():
-    with pytest.raises(ValueError, match="valid: "):
+    with pytest.raises(ValueError, match="unknown scheduling policy 'nope'; known: .*'fcfs'"):
         get_policy("nope")
     with pytest.raises(ValueError, match="prompt_weight"):
         FairSharePolicy(prompt_weight=-1)

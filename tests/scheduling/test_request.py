@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from servelab.blocks import FullAttentionSpec, KVCacheManager, KVCacheRequest, TokenSequence
@@ -43,13 +45,15 @@ def test_block_hashes_grow_incrementally_and_match_hashing_from_scratch():
         ({"prompt_token_ids": []}, "empty prompt"),
         ({"prompt_token_ids": [1, -1]}, "non-negative"),
         ({"prompt_token_ids": [1, 2.5]}, "non-negative ints"),
-        ({"priority": 1.5}, "priority"),
-        ({"eos_token_id": -3}, "eos_token_id"),
+        ({"priority": 1.5}, "priority must be an int"),
+        ({"eos_token_id": -3}, "eos_token_id=-3 must be >= 0"),
+        ({"arrival_time": float("nan")}, "arrival_time=nan must be finite"),
+        ({"arrival_time": "now"}, "arrival_time must be a number"),
     ],
 )
 def test_request_rejects_bad_input(kwargs, match):
     args = {"request_id": "r", "prompt_token_ids": [1, 2]} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         Request(args.pop("request_id"), args.pop("prompt_token_ids"), **args)
 
 
@@ -83,7 +87,7 @@ def test_request_metrics():
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"SchedulerConfig.{field}"):
+    with pytest.raises((TypeError, ValueError), match=f"SchedulerConfig.{field}"):
         SchedulerConfig(**kwargs)
 
 
@@ -91,9 +95,12 @@ def test_scheduler_rejects_a_cache_shorter_than_max_model_len_and_unknown_polici
     spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype="float32")
     with pytest.raises(ValueError, match="max_model_len"):
         Scheduler(SchedulerConfig(max_model_len=64), KVCacheManager(spec, 8, max_model_len=32))
-    with pytest.raises(ValueError, match="policy="):
+    with pytest.raises(ValueError, match="unknown scheduling policy 'round-robin'"):
         Scheduler(SchedulerConfig(), KVCacheManager(spec, 8), "round-robin")
     with pytest.raises(TypeError, match="SchedulerConfig"):
         Scheduler({"max_num_seqs": 4}, KVCacheManager(spec, 8))
     with pytest.raises(TypeError, match="SchedulingPolicy"):
         Scheduler(SchedulerConfig(), KVCacheManager(spec, 8), object())
+    with pytest.raises(TypeError, match=r"lacks \['cache_blocks'"):
+        Scheduler(SchedulerConfig(), SimpleNamespace(block_size=4, enable_caching=False, get_computed_blocks=None,
+                                                     allocate_slots=None, free=None, get_block_ids=None))

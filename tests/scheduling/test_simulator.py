@@ -175,3 +175,55 @@ def test_cli_simulate_compares_policies_and_writes_table_and_figure(tmp_path, ca
     assert (tmp_path / "simulate.csv").exists() and (tmp_path / "simulate.png").stat().st_size > 10_000
     assert main(["simulate", "--policy", "nope", "--num-requests", "5", "--out", str(tmp_path)]) == 2
     assert "valid:" in capsys.readouterr().err
+
+
+# ---- bad workloads are refused before the clock starts --------------------------------------
+
+
+def test_traces_are_validated_before_simulation():
+    from servelab.scheduling.simulator import TraceRequest, validate_trace
+
+    good = TraceRequest("a", 0.0, [1, 2], 3)
+    validate_trace([good])
+    for bad, field_name in [(TraceRequest("b", math.nan, [1], 1), "arrival_time"),
+                            (TraceRequest("b", math.inf, [1], 1), "arrival_time"),
+                            (TraceRequest("b", -0.5, [1], 1), "arrival_time"),
+                            (TraceRequest("b", 1.0, [], 1), "empty prompt"),
+                            (TraceRequest("b", 1.0, [1], 0), "max_tokens"),
+                            (TraceRequest("a", 1.0, [1], 1), "duplicate")]:
+        with pytest.raises(ValueError, match=field_name) as info:
+            simulate([good, bad], "fcfs", num_blocks=64)  # a NaN arrival used to hang here
+        assert "workload[1]" in str(info.value)
+
+
+def test_csv_cells_are_checked_with_file_line_and_column(tmp_path):
+    cases = {"0.1,10,3\nnan,12,2\n": "line 3: column 'arrival_time'",
+             "0.1,10,3\n0.2,12\n": "line 3: column 'output_len' is empty",
+             "0.1,10,3,7\n": "line 2: 4 cells",
+             "0.1,0,3\n": "line 2: column 'prompt_len'",
+             "0.1,10,2.5\n": "line 2: column 'output_len' = '2.5' is not an integer"}
+    for i, (rows, message) in enumerate(cases.items()):
+        path = tmp_path / f"t{i}.csv"
+        path.write_text("arrival_time,prompt_len,output_len\n" + rows)
+        with pytest.raises(ValueError, match=message):
+            load_trace_csv(path)
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text("prompt_len,output_len\n4,2\n")
+    for rate in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="rate="):
+            load_trace_csv(lengths, rate=rate)
+
+
+def test_a_run_whose_last_arrivals_are_all_refused_ends_cleanly():
+    reqs = generate_workload(WorkloadSpec(num_requests=20, rate=5, prompt_len=LengthDist("fixed", 600),
+                                          output_len=LengthDist("fixed", 4), seed=1))
+    result = simulate(reqs, "fcfs", num_blocks=64, scheduler_config=SchedulerConfig(max_model_len=512))
+    assert result.num_failed == 20 and len(result.requests) == 20  # was an IndexError
+
+
+def test_engine_and_policy_list_are_checked():
+    spec = WorkloadSpec(**SMALL, seed=1)
+    with pytest.raises(ValueError, match="engine="):
+        simulate(spec, "fcfs", engine="tgi")
+    with pytest.raises(ValueError, match="policies is empty"):
+        compare_policies(spec, [])

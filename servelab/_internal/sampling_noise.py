@@ -57,16 +57,15 @@ def draw_exponential_noise(
     ``generator`` (None: torch's default generator for ``device``). Rows in
     ``skip_rows`` (greedy requests) are filled with 1.0 and consume nothing.
     """
-    noise = torch.ones(num_rows, vocab_size, dtype=torch.float32, device=device)
     generators = generators or {}
     skipped = set(skip_rows)
     shared_rows = [row for row in range(num_rows) if row not in generators and row not in skipped]
+    if shared_rows and len(shared_rows) == num_rows:  # the common case: no fill pass needed
+        return torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+    noise = torch.ones(num_rows, vocab_size, dtype=torch.float32, device=device)
     if shared_rows:
-        if len(shared_rows) == num_rows:
-            noise.exponential_(generator=generator)
-        else:
-            index = torch.tensor(shared_rows, device=device)
-            noise[index] = torch.empty(len(shared_rows), vocab_size, device=device).exponential_(generator=generator)
+        index = torch.tensor(shared_rows, device=device)
+        noise[index] = torch.empty(len(shared_rows), vocab_size, device=device).exponential_(generator=generator)
     for row, row_generator in generators.items():
         if row not in skipped:
             noise[row].exponential_(generator=row_generator)
@@ -125,3 +124,22 @@ def draw_rejection_noise(
         num_reqs, vocab_size, device, generators=seeded, skip_rows=skip_requests
     )
     return uniform, exponential
+
+
+def draw_request_noise(
+    num_reqs: int,
+    vocab_size: int,
+    device: torch.device | str,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None,
+    skip_rows: Sequence[int] = (),
+) -> torch.Tensor:
+    """Exp(1) noise float32 ``[num_reqs, vocab_size]`` for one emitted token per request.
+
+    ``generator``: None, one generator for the batch, or one (or None) per
+    request (seeded requests then depend only on their own generator). Rows
+    in ``skip_rows`` (greedy) are ones and consume nothing.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return draw_exponential_noise(num_reqs, vocab_size, device, generator=generator, skip_rows=skip_rows)
+    seeded = {row: gen for row, gen in enumerate(generator) if gen is not None}
+    return draw_exponential_noise(num_reqs, vocab_size, device, generators=seeded, skip_rows=skip_rows)

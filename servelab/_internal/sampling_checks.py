@@ -6,6 +6,7 @@ inputs with the same message: the argument, the value, and what is valid.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -164,7 +165,41 @@ def check_draft_batch(
             bad = low if low < 0 else high
             raise ValueError(f"draft_token_ids holds {bad}, outside the vocabulary; valid: [0, {vocab_size})")
     check_generator_argument(generator, len(counts))
+    check_probabilities("target_probs", target_probs)
+    if draft_probs is not None:
+        check_probabilities("draft_probs", draft_probs)
     return DraftBatch(counts, offsets, greedy_list, vocab_size)
+
+
+def check_probabilities(name: str, probs: torch.Tensor, row_mask: torch.Tensor | None = None) -> None:
+    """Every row of ``probs`` (float ``[..., vocab]``) is a usable distribution.
+
+    Valid: finite, non-negative entries and a positive sum per row (rows need
+    not be normalised). ``row_mask`` bool ``probs.shape[:-1]`` restricts the
+    check to the rows that will be read (padding rows of a tree batch). One
+    device sync when the input is fine; the slow diagnosis only runs on failure.
+    """
+    if probs.numel() == 0:
+        return
+    # Two reductions, no [.., vocab] temporaries: amin propagates NaN (NaN >= 0 is False)
+    # and catches negatives and -inf; a row holding +inf sums to inf.
+    row_sum = probs.sum(dim=-1)
+    usable = (probs.amin(dim=-1) >= 0) & torch.isfinite(row_sum) & (row_sum > 0)
+    if row_mask is not None:
+        usable |= ~row_mask
+    if bool(usable.all()):
+        return
+    index = tuple(int(i) for i in (~usable).nonzero()[0])
+    row = probs[index]
+    where = f"row {index[0]}" if len(index) == 1 else f"row {list(index)}"
+    valid = "valid: finite probabilities >= 0 with a positive sum in every row"
+    if bool(torch.isnan(row).any()):
+        raise ValueError(f"{name} holds NaN in {where}; {valid}")
+    if bool(torch.isinf(row).any()):
+        raise ValueError(f"{name} holds inf in {where}; {valid}")
+    if bool((row < 0).any()):
+        raise ValueError(f"{name} holds {float(row.min())} (negative) in {where}; {valid}")
+    raise ValueError(f"{name} {where} has no positive mass (all zeros); {valid}")
 
 
 def _as_greedy_list(greedy: object, num_reqs: int) -> list[bool]:
@@ -195,3 +230,20 @@ def check_generator_argument(generator: object, num_reqs: int) -> None:
                 raise TypeError(f"generator[{position}] must be a torch.Generator or None, got {type(entry).__name__}")
         return
     raise TypeError(f"generator must be None, a torch.Generator or a list of them, got {type(generator).__name__}")
+
+
+def check_typical_options(posterior_threshold: object, posterior_alpha: object) -> tuple[float, float]:
+    """Typical acceptance's two knobs: finite reals > 0."""
+    out = []
+    for name, value in (("posterior_threshold", posterior_threshold), ("posterior_alpha", posterior_alpha)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} = {value} is invalid; valid: finite and > 0")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def compute_dtype(probs: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (tests compare in it); everything else is computed in float32."""
+    return torch.float64 if probs.dtype == torch.float64 else torch.float32

@@ -1,0 +1,131 @@
+"""The CPU's own limit as the yardstick: a pipeline decode step vs the same step's GEMMs alone.
+
+For batch sizes 1, 16, 64 (``--batches``): ``B`` requests with ``--context``-token
+prompts are admitted and prefilled, then every following ``Pipeline.step()``
+is a pure decode step of ``B`` tokens, timed one by one (median of
+``--steps``). Beside it, the *GEMM-only* time of that step: the model's own
+weight matrices (fused QKV, O, fused gate-up, down per layer, plus the LM head
+on the ``B`` sampled rows), ``torch.matmul`` on a ``[B, in]`` activation in a
+loop, nothing else. ``step / GEMM`` is the pipeline's "fraction of the
+physical limit" on a CPU: 1.0 would mean attention, norms, RoPE, scheduling,
+sampling and bookkeeping cost nothing.
+
+    python bench/gemm_limit.py --model smollm2-shape          # rows into bench/results/results.csv
+    python bench/gemm_limit.py --model tiny --batches 1,16
+
+Threads: ``--threads`` (default 1) is passed to ``torch.set_num_threads``
+for both timings; one thread keeps a shared 2-core machine's numbers stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from profile_step import build, workload  # noqa: E402 (bench/ is sys.path[0] when run as a script)
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+    return q[1], statistics.median(samples), q[7]
+
+
+def gemm_only(model, batch: int, steps: int) -> list[float]:
+    """Seconds per step of the model's GEMMs alone on a ``[batch, in]`` activation."""
+    mats = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        mats += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    mats.append(model.lm_head_weight)
+    mats = [w.t() for w in mats]  # [in, out] views: matmul(x, w) = F.linear(x, weight)
+    inputs = {w.shape[0]: torch.randn(batch, w.shape[0], dtype=w.dtype) for w in mats}
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            for w in mats:
+                torch.matmul(inputs[w.shape[0]], w)
+            times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def decode_steps(pipe, prompts: list[list[int]], steps: int) -> list[float]:
+    """Seconds per ``Pipeline.step()`` once every request is decoding."""
+    from servelab.samplers import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    rids = [pipe.add_request(p, params) for p in prompts]
+    scheduler = pipe.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
+        pipe.step()
+    pipe.step()  # first step with every request decoding (warm caches)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        pipe.step()
+        times.append(time.perf_counter() - start)
+    for rid in rids:
+        pipe.abort_request(rid)
+    while pipe.has_unfinished_requests():
+        pipe.step()
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-shape", help="tiny, smollm2-shape, or a checkpoint folder")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--backend", default="sdpa")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from servelab import Pipeline
+    from servelab.models import load_model
+
+    batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model, config = load_model(build(args.model, Path(tmp)))
+    pipe = Pipeline(model, attention_backend=args.backend, max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(4096, args.context * 8), max_model_len=args.context + args.steps + 64,
+                    enable_prefix_caching=False)
+    rows, lines = [], []
+    print(f"model {args.model}, backend {args.backend}, {args.threads} thread(s), context {args.context}\n")
+    print("| batch | decode step ms (p50) | GEMM-only ms (p50) | step / GEMM |\n|---|---|---|---|")
+    for batch in batches:
+        prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
+        step = percentiles(decode_steps(pipe, prompts, args.steps))
+        gemm = percentiles(gemm_only(model, batch, args.steps))
+        ratio = step[1] / gemm[1]
+        print(f"| {batch} | {1e3 * step[1]:.2f} | {1e3 * gemm[1]:.2f} | {ratio:.2f} |")
+        params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend,
+                      threads=args.threads)
+        rows += [
+            ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
+            ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
+            ("step_over_gemm", "ratio", ratio, None),
+        ]
+        lines.append((params, rows[-3:]))
+    if not args.no_record:
+        from results_io import append_rows, make_row
+
+        out = []
+        for params, items in lines:
+            for metric, unit, value, pct in items:
+                extra = {} if pct is None else dict(p20=pct[0], p50=pct[1], p80=pct[2])
+                out.append(make_row("e2e", "servelab", metric, unit, value, params=params, **extra))
+        append_rows(out)
+        print(f"\n{len(out)} rows appended to results.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

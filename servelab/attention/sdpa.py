@@ -1,0 +1,232 @@
+"""Paged attention for CPUs (and any torch device) through batched
+``scaled_dot_product_attention`` calls: the ``"sdpa"`` backend.
+
+The reference (:mod:`servelab.reference.paged_attention`) loops over
+sequences, which is what makes it readable and what makes it slow in a
+serving loop. Here a step is split once, by :func:`plan_attention`, into at
+most two padded problems, and every layer reuses that plan:
+
+- the **decode group**: sequences with one query row (the bulk of a serving
+  step). Queries are ``[n, Hq, 1, D]``; no query padding at all.
+- the **prefill group**: sequences with several query rows (prompts, chunks,
+  draft verification), padded to the longest query of the group only, so a
+  long prompt chunk never pads the decodes beside it.
+
+For each group the plan holds the per-token gather indices of its K/V
+(``block_table[i, p // B]``, ``p % B``; positions past a sequence's end read
+the sequence's own position 0, which is real data, and are masked), the query
+rows to gather (padding rows repeat the sequence's last real row, so no row
+is ever fully masked), and one additive float mask ``[n, 1, max_q, max_kv]``
+(0 / -inf: length, causal, window) built once per step instead of once per
+layer. Per layer that leaves three gathers and one SDPA call per group.
+
+GQA goes through SDPA's ``enable_gqa=True`` (torch >= 2.5), which reads each
+KV head once for its whole query-head group; older torch gets the same
+result by folding the group into the query axis (``[n, Hk, G * max_q, D]``
+against ``[n, Hk, max_kv, D]``). Never ``repeat_interleave``: copying K/V to
+every query head cost more than all the linear layers of a decode step.
+
+Compute dtype is float32 (float64 for float64 input). Not supported, and
+refused by the backend's capability check: ``softcap`` (SDPA applies no
+function to the scores) and ``return_lse``. Padding costs
+``n x max_kv`` gathered K/V per group: fine on a CPU at research scale; on a
+GPU use ``"triton"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from servelab._internal.attention_checks import check_paged_attention_args
+
+GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+"""SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""
+
+
+@dataclass
+class _Group:
+    """One padded SDPA problem over ``n`` sequences (all tensors on the metadata's device)."""
+
+    q_index: torch.Tensor  # int64 [n, max_q]: query rows (padding repeats the last real row)
+    kv_blocks: torch.Tensor  # int64 [n, max_kv]: cache block of each key position
+    kv_offsets: torch.Tensor  # int64 [n, max_kv]: offset inside the block
+    kv_slots: torch.Tensor  # int64 [n * max_kv]: block * B + offset (for a flattenable cache)
+    allowed: torch.Tensor  # bool [n, max_q, max_kv]: length, causal and window
+    out_src: torch.Tensor | None  # int64 [R]: real rows among the n * max_q (None: all are real)
+    out_dst: torch.Tensor  # int64 [R]: their rows in the output
+    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[n, 1, max_q, max_kv]`` (0 where allowed, -inf elsewhere), cached per dtype."""
+        cached = self._masks.get(dtype)
+        if cached is None:
+            cached = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            cached.masked_fill_(~self.allowed, float("-inf"))
+            cached = self._masks.setdefault(dtype, cached.unsqueeze(1))
+        return cached
+
+
+@dataclass
+class AttentionPlan:
+    """What :func:`paged_attention` needs beyond the tensors, computed once per step.
+
+    Built by :func:`plan_attention` from the step's metadata; valid for every
+    layer whose call has the same ``block_size``, ``causal`` and
+    ``sliding_window``.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    block_size: int
+    causal: bool
+    sliding_window: int | None
+    groups: list[_Group]
+
+
+def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+                   block_size: int, causal: bool = True, sliding_window: int | None = None) -> AttentionPlan:
+    """Split a step into its decode and prefill groups (see the module docstring).
+
+    Args:
+        block_table: int32 ``[S, max_blocks]``; seq_lens: int32 ``[S]``;
+        query_start_loc: int32 ``[S + 1]`` — the step's metadata.
+        block_size: the cache's tokens per block.
+        causal, sliding_window: as for :func:`paged_attention`.
+    """
+    device = seq_lens.device
+    lens = seq_lens.long()
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    groups = []
+    for select in (q_lens == 1, q_lens > 1):
+        index = torch.nonzero(select).flatten()
+        if index.numel():
+            groups.append(_plan_group(block_table.index_select(0, index).long(), lens[index], starts[index],
+                                      q_lens[index], block_size, causal, sliding_window, device))
+    num_tokens = int(starts[-1]) if starts.numel() else 0
+    return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
+
+
+def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
+                block_size: int, causal: bool, window: int | None, device: torch.device) -> _Group:
+    max_q, max_kv = int(q_lens.max()), int(lens.max())
+    kv_pos = torch.arange(max_kv, device=device)
+    in_seq = kv_pos[None, :] < lens[:, None]  # [n, max_kv]
+    safe_pos = torch.where(in_seq, kv_pos[None, :], 0)  # past the end: the sequence's own position 0
+    kv_blocks = table.gather(1, safe_pos // block_size)
+    t = torch.minimum(torch.arange(max_q, device=device)[None, :], q_lens[:, None] - 1)  # [n, max_q]
+    q_index = starts[:, None] + t
+    q_pos = (lens - q_lens)[:, None] + t  # absolute position of each query row
+    allowed = in_seq[:, None, :].expand(-1, max_q, -1)
+    if causal:
+        allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        allowed = allowed & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+    if max_q == 1:
+        out_src, out_dst = None, q_index[:, 0]
+    else:
+        real = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).flatten()
+        out_src = torch.nonzero(real).flatten()
+        out_dst = q_index.flatten()[out_src]
+    kv_offsets = safe_pos % block_size
+    kv_slots = (kv_blocks * block_size + kv_offsets).flatten()
+    return _Group(q_index, kv_blocks, kv_offsets, kv_slots, allowed.contiguous(), out_src, out_dst)
+
+
+def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size: int, causal: bool,
+                sliding_window: int | None) -> None:
+    got = (plan.num_tokens, plan.num_seqs, plan.block_size, plan.causal, plan.sliding_window)
+    want = (num_tokens, num_seqs, block_size, causal, sliding_window)
+    if got != want:
+        raise ValueError(f"plan was made for (num_tokens, num_seqs, block_size, causal, sliding_window)={got}, "
+                         f"but this call has {want}; call plan_attention with this step's metadata")
+
+
+def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's K or V ``[n, max_kv, Hk, D]`` from a cache ``[N, B, Hk, D]``."""
+    num_blocks, block_size = cache.shape[:2]
+    if num_blocks < 2 or cache.stride(0) == block_size * cache.stride(1):
+        # One index_select over the flattened (view of the) cache: ~2.5x faster
+        # on a CPU than advanced indexing with two index tensors.
+        rows = cache.flatten(0, 1).index_select(0, group.kv_slots)
+        return rows.view(*group.kv_blocks.shape, *cache.shape[2:])
+    return cache[group.kv_blocks, group.kv_offsets]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q ``[n, max_q, Hq, D]``, k/v ``[n, max_kv, Hk, D]``, mask ``[n, 1, max_q, max_kv]`` -> ``[n, max_q, Hq, D]``."""
+    n, max_q, num_q_heads, head_size = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if group == 1 or GQA_NATIVE:
+        extra = {"enable_gqa": True} if group > 1 else {}
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, **extra)
+        return out.transpose(1, 2)
+    # Fold each KV head's query-head group into the query axis: [n, Hk, G * max_q, D].
+    folded = q.view(n, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    folded = folded.reshape(n, num_kv_heads, group * max_q, head_size)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, group, 1), scale=scale)
+    out = out.view(n, num_kv_heads, group, max_q, head_size).permute(0, 3, 1, 2, 4)
+    return out.reshape(n, max_q, num_q_heads, head_size)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    check_inputs: bool = True,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """Same signature and semantics as :func:`servelab.reference.paged_attention`
+    (query ``[T, Hq, D]``, caches ``[N, B, Hk, D]``, int32 metadata; returns
+    ``[T, Hq, D]`` in the query's dtype), without ``softcap`` and
+    ``return_lse``; ``plan`` is :func:`plan_attention` of this step's metadata
+    (made here when ``None``). With a ``plan`` and ``check_inputs=False`` no
+    argument is checked at all (the caller checked an identical call)."""
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap!r}: the sdpa backend cannot cap scores; use 'torch' or 'triton'")
+    if return_lse:
+        raise ValueError("return_lse=True: the sdpa backend does not compute the log-sum-exp; use 'torch' or 'triton'")
+    block_size = key_cache.shape[1]
+    if plan is not None and not check_inputs:
+        # The hot path: the model checked this step's first layer (same
+        # shapes, dtypes and metadata for every layer) and planned once.
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+    else:
+        scale = check_paged_attention_args(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+            scale=scale, causal=causal, sliding_window=sliding_window, softcap=None,
+            out=out, num_splits=num_splits, check_values=check_inputs,
+        )
+    if plan is None:
+        plan = plan_attention(block_table, seq_lens, query_start_loc, block_size=block_size, causal=causal,
+                              sliding_window=sliding_window)
+    else:
+        _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window)
+    result = out if out is not None else torch.empty_like(query)
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    for g in plan.groups:
+        q = query.index_select(0, g.q_index.flatten()).view(*g.q_index.shape, *query.shape[1:]).to(compute)
+        k = _gather(key_cache, g).to(compute)  # [n, max_kv, Hk, D]
+        v = _gather(value_cache, g).to(compute)
+        attn = _attend(q, k, v, g.mask(compute), scale)
+        rows = attn.reshape(-1, *attn.shape[2:])
+        if g.out_src is not None:
+            rows = rows[g.out_src]
+        result.index_copy_(0, g.out_dst, rows.to(result.dtype))
+    return result

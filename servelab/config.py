@@ -1,0 +1,271 @@
+"""``PipelineConfig``: the one place every setting of a :class:`~servelab.Pipeline` has its default.
+
+Three frozen sections and two top-level settings::
+
+    PipelineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=None, enable_prefix_caching=True,
+                          kv_cache_memory_bytes=None, eviction_policy="lru"),
+        scheduler=SchedulingConfig(policy="fcfs", max_num_seqs=64, max_num_batched_tokens=512,
+                                   long_prefill_token_threshold=0, max_model_len=None,
+                                   enable_chunked_prefill=True),
+        speculative=SpeculativeConfig(drafter=None, num_speculative_tokens=0, verifier="rejection"),
+        attention_backend="auto", seed=0, max_logprobs=20, grammar_backend="xgrammar")
+
+Every setting has one name in every layer (``enable_prefix_caching`` here, in
+``Pipeline(...)`` and in ``from_pretrained(...)``; the block layer's
+constructor keeps its positional ``enable_caching`` parameter for vLLM
+parity). ``Pipeline(model, block_size=8, policy="sjf")`` is
+``Pipeline(model, config=PipelineConfig.from_kwargs(block_size=8, policy="sjf"))``;
+the flat names are the section fields (:func:`flat_names` lists them).
+The scheduler's :class:`~servelab.scheduling.SchedulerConfig` is derived from
+this object (:meth:`PipelineConfig.scheduler_config`), never defaulted on
+its own.
+
+Every field is checked when the object is built, naming the field, the
+value and what is valid: ``TypeError`` for a wrong type (``seed=1.5``) or an
+unknown setting name, ``ValueError`` for a value out of range
+(``kv_cache_memory_bytes=-5``). Names of registered pieces (policies, verifiers, drafters, attention
+backends, eviction policies) are checked when the pipeline looks them up,
+so this module imports nothing heavy.
+
+``attention_backend="auto"`` resolves, for the model the pipeline runs:
+``"sdpa"`` when the model is on the CPU and the SDPA backend supports it
+(dtype, head size, sliding window: ``backend.supports(...)``), ``"triton"``
+when the model is on CUDA and the Triton backend supports it, else
+``"torch"`` (the references, which run everything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab._internal.validation import check_bool, check_int
+
+__all__ = ["CacheConfig", "PipelineConfig", "SchedulingConfig", "SpeculativeConfig", "flat_names"]
+
+
+def _int(section: str, name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """``TypeError`` for a non-int (``1.5``, ``"x"``, ``True``), ``ValueError`` below ``minimum``."""
+    if optional and value is None:
+        return
+    try:
+        check_int(f"{section}.{name}", value, min_value=minimum)
+    except TypeError:
+        raise TypeError(f"{section}.{name}={value!r} is a {type(value).__name__}; valid: an int >= {minimum}"
+                        + (" or None" if optional else "")) from None
+
+
+def _bool(section: str, name: str, value: object) -> None:
+    check_bool(f"{section}.{name}", value)
+
+
+def _name_or_object(section: str, name: str, value: object, *, optional: bool = False) -> None:
+    """A registry name (non-empty str) or an object implementing the piece's protocol."""
+    if optional and value is None:
+        return
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{section}.{name}={value!r} is invalid; valid: a registered name or an object")
+    if value is None or isinstance(value, (bool, int, float)):
+        raise TypeError(f"{section}.{name}={value!r} is invalid; valid: a registered name or an object"
+                        + (" (or None)" if optional else ""))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: pool size, null block included (>= 2). None: sized by the
+            pipeline from ``max_num_seqs``, ``max_model_len`` and a memory
+            budget (see :func:`servelab.pipeline.sizing.default_num_blocks`).
+        enable_prefix_caching: reuse the KV of full blocks whose token prefix
+            was computed before (hash lookup on admission).
+        kv_cache_memory_bytes: memory budget of the default pool (> 0); None:
+            derived from the model size and the free memory (see
+            :func:`servelab.pipeline.sizing.default_kv_cache_budget`).
+        eviction_policy: which cached free block is reused first: a name
+            (``"lru"``, the default) or an eviction-policy object.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    eviction_policy: Any = "lru"
+
+    def __post_init__(self) -> None:
+        _int("CacheConfig", "block_size", self.block_size, 1)
+        _int("CacheConfig", "num_blocks", self.num_blocks, 2, optional=True)
+        _bool("CacheConfig", "enable_prefix_caching", self.enable_prefix_caching)
+        _int("CacheConfig", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        _name_or_object("CacheConfig", "eviction_policy", self.eviction_policy)
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Scheduling limits and policy (the source of ``scheduling.SchedulerConfig``).
+
+    Attributes:
+        policy: scheduling policy name (``"fcfs"``, ``"priority"``, ``"sjf"``,
+            ``"vtc"``) or a ``SchedulingPolicy`` object (one per pipeline).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prompt chunks,
+            decodes and drafts together).
+        long_prefill_token_threshold: most tokens one request gets per step
+            (0: no cap).
+        max_model_len: longest sequence (prompt + output); None: the model's
+            ``max_position_embeddings``.
+        enable_chunked_prefill: split long prompts over steps.
+    """
+
+    policy: Any = "fcfs"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _name_or_object("SchedulingConfig", "policy", self.policy)
+        _int("SchedulingConfig", "max_num_seqs", self.max_num_seqs, 1)
+        _int("SchedulingConfig", "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int("SchedulingConfig", "long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _int("SchedulingConfig", "max_model_len", self.max_model_len, 1, optional=True)
+        _bool("SchedulingConfig", "enable_chunked_prefill", self.enable_chunked_prefill)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding.
+
+    Attributes:
+        drafter: None (off), ``"ngram"``, a draft checkpoint folder (same
+            tokenizer) or a ``Drafter`` object.
+        num_speculative_tokens: drafts per request and step; >= 1 exactly
+            when a drafter is given.
+        verifier: how drafts are accepted: ``"rejection"`` (default, exact),
+            ``"typical"``, ``"tree"``, or a ``Verifier`` object.
+    """
+
+    drafter: Any = None
+    num_speculative_tokens: int = 0
+    verifier: Any = "rejection"
+
+    def __post_init__(self) -> None:
+        _int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens, 0)
+        _name_or_object("SpeculativeConfig", "verifier", self.verifier)
+        if self.drafter is not None:
+            _name_or_object("SpeculativeConfig", "drafter", self.drafter)
+        if (self.drafter is None) != (self.num_speculative_tokens == 0):
+            raise ValueError(
+                f"SpeculativeConfig.drafter={self.drafter!r} with num_speculative_tokens="
+                f"{self.num_speculative_tokens}: speculative decoding needs both a drafter ('ngram', a "
+                "draft-model folder or a Drafter) and num_speculative_tokens >= 1, or neither")
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter is not None
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "speculative": SpeculativeConfig}
+_TOP_LEVEL = ("attention_backend", "seed", "max_logprobs", "grammar_backend")
+
+
+def flat_names() -> dict[str, str]:
+    """Flat setting name -> the section holding it (``"top"`` for top-level settings)."""
+    names = {f.name: section for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)}
+    names.update((name, "top") for name in _TOP_LEVEL)
+    return names
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Every setting of a pipeline, with its default (see the module docstring).
+
+    Attributes:
+        cache, scheduler, speculative: the sections.
+        attention_backend: ``"auto"`` (see the module docstring), a backend
+            name (``"torch"``, ``"sdpa"``, ``"triton"``) or a backend object.
+        seed: base seed of random-sampling requests that bring no seed of
+            their own (None: torch's global RNG). An int.
+        max_logprobs: most ``SamplingParams.logprobs`` a request may ask for.
+        grammar_backend: compiles the grammars of structured-output requests:
+            a registered name (``"xgrammar"``, the default; imported only when
+            a request carries a grammar) or a ``GrammarBackend`` object.
+    """
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    attention_backend: Any = "auto"
+    seed: int | None = 0
+    max_logprobs: int = 20
+    grammar_backend: Any = "xgrammar"
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(f"PipelineConfig.{name} must be a {cls.__name__}, got {type(value).__name__}")
+        _name_or_object("PipelineConfig", "attention_backend", self.attention_backend)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"PipelineConfig.seed={self.seed!r} is a {type(self.seed).__name__}; valid: an int "
+                            "or None")
+        _int("PipelineConfig", "max_logprobs", self.max_logprobs, 0)
+        _name_or_object("PipelineConfig", "grammar_backend", self.grammar_backend)
+
+    @classmethod
+    def from_kwargs(cls, **settings: Any) -> PipelineConfig:
+        """A config from flat names: ``PipelineConfig.from_kwargs(block_size=8, verifier="typical")``."""
+        return cls().replace(**settings)
+
+    def replace(self, **settings: Any) -> PipelineConfig:
+        """A copy with flat settings (``block_size=...``) or whole sections (``cache=...``) replaced.
+
+        Unknown names raise ``TypeError`` listing the valid ones; values are
+        checked as on construction.
+        """
+        names = flat_names()
+        unknown = sorted(set(settings) - set(names) - set(_SECTIONS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {', '.join(map(repr, unknown))}; valid: "
+                            f"{', '.join(sorted(names))} (or a whole section: {', '.join(_SECTIONS)})")
+        sections = {name: settings.get(name, getattr(self, name)) for name in _SECTIONS}
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for name, value in settings.items():
+            where = names.get(name)
+            if where == "top":
+                top[name] = value
+            elif where is not None:
+                per_section[where][name] = value
+        for name, changes in per_section.items():
+            if changes:
+                if not isinstance(sections[name], _SECTIONS[name]):
+                    break  # __post_init__ below names the bad section
+                sections[name] = dataclasses.replace(sections[name], **changes)
+        return dataclasses.replace(self, **sections, **top)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (``from_kwargs(**c.to_flat()) == c``)."""
+        out: dict[str, Any] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out.update((f.name, getattr(section, f.name)) for f in dataclasses.fields(section))
+        out.update((name, getattr(self, name)) for name in _TOP_LEVEL)
+        return out
+
+    def scheduler_config(self, max_model_len: int) -> Any:
+        """The :class:`~servelab.scheduling.SchedulerConfig` of this config, with
+        ``max_model_len`` resolved against the model (the pipeline does that)."""
+        from servelab.scheduling.config import SchedulerConfig
+
+        s = self.scheduler
+        return SchedulerConfig(
+            max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+            max_model_len=max_model_len, enable_chunked_prefill=s.enable_chunked_prefill,
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
+            num_speculative_tokens=self.speculative.num_speculative_tokens)

@@ -1,0 +1,47 @@
+"""Drafters for speculative decoding, all in one place.
+
+- :mod:`~servelab.samplers.drafters.base`: the :class:`Drafter` ABC (batch API
+  ``propose_for_requests`` + ``release``), :class:`DraftProposal`,
+  :class:`DraftRequest`, and the registry (``register_drafter`` /
+  ``get_drafter`` / ``available_drafters``).
+- :mod:`~servelab.samplers.drafters.ngram`: :class:`NgramDrafter` (``"ngram"``).
+- :mod:`~servelab.samplers.drafters.draft_model`: :class:`DraftModelDrafter`
+  (``"draft_model"``, or a checkpoint folder path).
+
+No built-in drafter proposes token trees yet: they propose chains, which every
+verifier (including ``"tree"``) takes.
+"""
+
+from servelab.samplers.drafters.base import (
+    DraftProposal,
+    DraftRequest,
+    Drafter,
+    available_drafters,
+    check_drafter,
+    check_proposals,
+    get_drafter,
+    register_drafter,
+)
+from servelab.samplers.drafters.draft_model import (
+    DraftModelDrafter,
+    flat_step_inputs,
+    load_draft_model_drafter,
+    resolve_drafter,
+)
+from servelab.samplers.drafters.ngram import NgramDrafter
+
+__all__ = [
+    "DraftModelDrafter",
+    "DraftProposal",
+    "DraftRequest",
+    "Drafter",
+    "NgramDrafter",
+    "available_drafters",
+    "check_drafter",
+    "check_proposals",
+    "flat_step_inputs",
+    "get_drafter",
+    "load_draft_model_drafter",
+    "register_drafter",
+    "resolve_drafter",
+]

@@ -1,0 +1,83 @@
+"""The default grammar backend: xgrammar (CPU, C++ matcher, packed int32 bitmasks)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from servelab.samplers.structured.params import StructuredOutputsParams
+
+try:
+    import xgrammar as xgr
+except ImportError as exc:  # pragma: no cover - exercised by the missing-extra test via sys.modules
+    raise ImportError('structured outputs need xgrammar: pip install "servelab[structured]" '
+                      f"(or pip install xgrammar); import failed: {exc}") from exc
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class XGrammarMatcher:
+    """A :class:`~servelab.samplers.structured.backend.GrammarMatcher` over ``xgrammar.GrammarMatcher``."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XGrammarBackend:
+    """Compiles JSON schemas, regexes, EBNF grammars and choice lists with xgrammar.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its vocabulary is decoded once).
+        vocab_size: the model's vocabulary (may exceed the tokenizer's; the
+            extra ids are never allowed).
+        stop_token_ids: the ids that end a request (the model's EOS ids); once
+            the grammar is complete only these are allowed.
+    """
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> None:
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer; the pipeline has none")
+        stops = list(stop_token_ids) or None
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        kind, value = params.kind, getattr(params, params.kind)
+        try:
+            if kind == "json":
+                text = value if isinstance(value, str) else json.dumps(value)
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(value)
+            if kind == "grammar":
+                return self._compiler.compile_grammar(value)
+            alternatives = " | ".join(json.dumps(c) for c in value)  # EBNF string literals
+            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+        except (RuntimeError, ValueError) as exc:
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            message = _LOG_PREFIX.sub("", lines[0])  # drop xgrammar's "[time] file.cc:line: "
+            raise ValueError(f"structured_outputs {kind}= does not compile: {message}") from None
+
+    def new_matcher(self, compiled: Any) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled))  # rollback depth is unlimited

@@ -1,0 +1,181 @@
+"""The simulation loop over vLLM's real v1 scheduler (``simulate(..., engine="vllm")``).
+
+Same trace, same step-cost model, same virtual clock, same metrics as the
+servelab engine (:mod:`.engine`); only the scheduler and its KV cache manager
+are vLLM's, built on the CPU as vLLM's own scheduler tests build them
+(:mod:`servelab.integrations.vllm.harness`). vLLM is imported lazily: without
+it, :func:`simulate_vllm` raises ``ImportError`` saying how to install it.
+
+Policies:
+
+- a servelab policy (name or object: ``"fcfs"``, ``"priority"``, ``"sjf"``,
+  ``"vtc"``...) runs *inside* vLLM's scheduler through
+  :func:`servelab.integrations.vllm.make_scheduler_cls`;
+- ``"vllm-fcfs"`` / ``"vllm-priority"`` are vLLM's own policies, unmodified.
+
+Results are named ``vllm:<policy>`` (bridged) or ``vllm-fcfs`` / ``vllm-priority`` (native). Where vLLM's semantics differ from
+servelab's scheduler (so the same policy can give different numbers): vLLM
+admits a waiting request only when its whole prompt fits in free KV blocks
+(``scheduler_reserve_full_isl``, vLLM's default, kept here), makes blocks
+findable by prefix lookup at allocation rather than after the step, and
+stops one position before ``max_model_len``. A request whose prompt is not
+shorter than ``max_model_len`` is refused before it reaches vLLM (vLLM's
+input processor refuses it too), and one that cannot fit in the KV cache
+even alone — which vLLM would keep waiting forever — is ended as failed
+(finish reason ``"error"``) when nothing else runs, as servelab does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.request import RequestMetrics
+from servelab.scheduling.simulator.cost_model import StepCostModel
+from servelab.scheduling.simulator.metrics import SimulationResult
+from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload, validate_trace
+
+FAKE_TOKEN = 7
+NATIVE_POLICIES = {"vllm-fcfs": "fcfs", "vllm-priority": "priority"}
+_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class _Track:
+    """Timestamps of one request on the virtual clock (vLLM's own are wall time)."""
+
+    __slots__ = ("trace", "first_scheduled", "first_token", "token_times", "cached", "finish", "reason",
+                 "num_output", "error")
+
+    def __init__(self, trace: TraceRequest) -> None:
+        self.trace = trace
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.token_times: list[float] = []
+        self.cached = 0
+        self.finish: float | None = None
+        self.reason: str | None = None
+        self.num_output = 0
+        self.error: str | None = None
+
+    def metrics(self, num_preemptions: int) -> RequestMetrics:
+        t = self.trace
+        return RequestMetrics(t.request_id, t.client_id, t.priority, self.reason, len(t.prompt_token_ids),
+                              self.num_output, self.cached, num_preemptions, 0, 0, t.arrival_time,
+                              self.first_scheduled, self.first_token, self.finish, self.token_times)
+
+
+def _scheduler_cls(policy):
+    from servelab.integrations.vllm import make_scheduler_cls
+
+    if isinstance(policy, str) and policy in NATIVE_POLICIES:
+        return None, NATIVE_POLICIES[policy]
+    return make_scheduler_cls(policy), "fcfs"
+
+
+def simulate_vllm(
+    workload: WorkloadSpec | Sequence[TraceRequest],
+    policy="fcfs",
+    *,
+    scheduler_config: SchedulerConfig | None = None,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    watermark: float = 0.01,
+    cost_model: StepCostModel | None = None,
+    ttft_slo_s: float = 1.0,
+    tpot_slo_s: float = 0.1,
+    max_steps: int | None = None,
+) -> SimulationResult:
+    """:func:`servelab.scheduling.simulator.simulate` with vLLM's scheduler (same arguments)."""
+    from servelab.integrations.vllm.harness import build_scheduler, make_request, model_output
+    from vllm.v1.request import RequestStatus as VllmStatus
+
+    requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
+    validate_trace(requests)
+    config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    cost = cost_model or StepCostModel()
+    cls, native = _scheduler_cls(policy)
+    sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=config.max_model_len, enable_prefix_caching=enable_prefix_caching,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            watermark=watermark, policy=native, reserve_full_prompt=True)
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    tracks = {r.request_id: _Track(r) for r in ordered}
+    pending = [make_request(r.request_id, r.prompt_token_ids, r.max_tokens, arrival_time=r.arrival_time,
+                            priority=r.priority, client_id=r.client_id, block_size=block_size) for r in ordered]
+    by_id = {r.request_id: r for r in pending}
+    now = ordered[0].arrival_time if ordered else 0.0
+    live = sched.requests
+    finished: list[RequestMetrics] = []
+    kv_times: list[float] = []
+    kv_usage: list[float] = []
+    next_arrival, total, steps = 0, len(pending), 0
+    max_len = config.max_model_len
+    wall_start = time.perf_counter()
+    while next_arrival < total or live:
+        while next_arrival < total and ordered[next_arrival].arrival_time <= now:
+            request = pending[next_arrival]
+            next_arrival += 1
+            if request.num_prompt_tokens >= max_len:
+                track = tracks[request.request_id]
+                track.reason, track.finish = "error", now
+                track.error = (f"request {request.request_id!r} has a {request.num_prompt_tokens}-token prompt; "
+                               f"vLLM needs it shorter than max_model_len={max_len}")
+                finished.append(track.metrics(0))
+                continue
+            sched.add_request(request)
+        if not live:
+            if next_arrival >= total:
+                break
+            now = ordered[next_arrival].arrival_time
+            continue
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        for new in out.scheduled_new_reqs:
+            track = tracks[new.req_id]
+            if track.first_scheduled is None:
+                track.first_scheduled, track.cached = now, new.num_computed_tokens
+        if ids:
+            kv_tokens = sum(live[r].num_computed_tokens for r in ids)  # already advanced by schedule()
+            now += cost.step_time(out.total_num_scheduled_tokens, kv_tokens)
+        elif not sched.running:
+            # Nothing runs and the head of the queue does not fit: it never will (vLLM would wait forever).
+            head = sched.waiting.peek_request() if sched.waiting else None
+            if head is not None:
+                track = tracks[head.request_id]
+                track.error = (f"request {head.request_id!r} cannot fit in the KV cache even alone "
+                               f"({num_blocks} blocks of {block_size} tokens)")
+                sched.finish_requests(head.request_id, VllmStatus.FINISHED_ERROR)
+                track.reason, track.finish = "error", now
+                finished.append(track.metrics(head.num_preemptions))
+        engine_outputs = sched.update_from_output(out, model_output(sched, out, FAKE_TOKEN))
+        for outputs in engine_outputs.values():
+            for o in outputs.outputs:
+                track = tracks[o.request_id]
+                if o.new_token_ids:
+                    if track.first_token is None:
+                        track.first_token = now
+                    track.token_times.extend([now] * len(o.new_token_ids))
+                    track.num_output += len(o.new_token_ids)
+                if o.finish_reason is not None and track.reason is None:
+                    track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
+                    finished.append(track.metrics(by_id[o.request_id].num_preemptions))
+        kv_times.append(now)
+        kv_usage.append(sched.get_kv_cache_usage())
+        steps += 1
+        if max_steps is not None and steps >= max_steps and live:
+            raise RuntimeError(f"simulation hit max_steps={max_steps} with {len(live)} requests unfinished")
+    wall = time.perf_counter() - wall_start
+    name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
+    num_preemptions = sum(m.num_preemptions for m in finished)
+    label = name if name in NATIVE_POLICIES else f"vllm:{name}"
+    return SimulationResult(label, finished, steps, num_preemptions, np.asarray(kv_times),
+                            np.asarray(kv_usage), wall, ttft_slo_s, tpot_slo_s,
+                            extra={"num_blocks": num_blocks, "block_size": block_size, "engine": "vllm",
+                                   "rate": getattr(workload, "rate", math.nan)})
+

@@ -1,0 +1,461 @@
+"""How requests change state outside the admission decisions: a step's results
+applied (``update_from_output``), a failed step rolled back
+(``rollback_step``), preemption, and every way a request ends.
+
+:class:`RequestTransitions` is the half of :class:`~servelab.scheduling.Scheduler`
+that these live in (the scheduler subclasses it; it is not used alone). The
+rules it keeps:
+
+- **Commit after compute**: computed full blocks are made findable by prefix
+  lookup (``kv_cache_manager.cache_blocks``) only here, after a step's
+  results arrived and rejected drafts were subtracted.
+- **Exactly one end**: ``_finish`` is the only way out of
+  ``Scheduler.requests``; it frees the blocks, tells the policy, counts the
+  end once (``num_finished``, plus ``num_failed`` / ``num_aborted``) and
+  builds the final ``RequestOutput``.
+- **Faults stay local**: an ``Exception`` from policy code or while applying
+  one request's result fails that request only. A ``BaseException``
+  (``KeyboardInterrupt``) propagates, after the state is consistent again
+  (``_repair``) and outputs already built are kept for the next
+  ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from servelab.scheduling.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from servelab.scheduling.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from servelab.blocks.interfaces import KVCacheManagerProtocol
+    from servelab.scheduling.config import SchedulerConfig
+    from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
+
+WAITING = RequestStatus.WAITING
+RUNNING = RequestStatus.RUNNING
+PREEMPTED = RequestStatus.PREEMPTED
+STOPPED = RequestStatus.FINISHED_STOPPED
+LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+ABORTED = RequestStatus.FINISHED_ABORTED
+FAILED = RequestStatus.FINISHED_FAILED
+_EMPTY: list[int] = []
+
+
+class RequestTransitions:
+    """State changes of requests; see the module docstring."""
+
+    # Set by Scheduler.__init__.
+    config: SchedulerConfig
+    kv_cache_manager: KVCacheManagerProtocol
+    policy: SchedulingPolicy
+    clock: Callable[[], float]
+    block_size: int
+    waiting: RequestQueue
+    running: list[Request]
+    requests: dict[str, Request]
+    _finished_ids: set[str]
+    _unreported_preempted: set[str]
+    _pending_outputs: list[RequestOutput]
+    _cache_blocks: Callable[[Request, int], None] | None
+    num_preemptions: int
+    num_finished: int
+    num_failed: int
+    num_aborted: int
+
+    def _new_waiting_queue(self) -> RequestQueue:
+        raise NotImplementedError
+
+    # ---- ending requests from outside ---------------------------------------
+
+    def abort_request(self, request_id: str) -> bool:
+        """End an unfinished request now (finish reason "abort"); its blocks
+        are freed. Returns False if no such request is unfinished."""
+        return self.finish_request(request_id, ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus = ABORTED,
+                       stop_reason: int | str | None = None) -> bool:
+        """End an unfinished request from outside with a final ``status``:
+        ``FINISHED_ABORTED`` (client went away; counted in ``num_aborted``) or
+        ``FINISHED_STOPPED`` (e.g. the detokenizer matched a stop *string*;
+        pass it as ``stop_reason``; not an abort). Its final
+        ``RequestOutput`` comes from the next ``update_from_output``. Returns
+        False if no such request is unfinished."""
+        if status is not ABORTED and status is not STOPPED:
+            raise ValueError(f"status={status!r}; valid: FINISHED_ABORTED or FINISHED_STOPPED")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._detach(request)
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self._pending_outputs.append(self._finish(request, status))
+        return True
+
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> list[RequestOutput]:
+        """End these requests with finish reason "error" and ``error`` as
+        their message (blocks freed, the policy told); ids unknown or already
+        finished are ignored. Returns their final outputs (they do not come
+        again from ``update_from_output``)."""
+        if not isinstance(error, str):
+            raise TypeError(f"error must be a str (the message), got {type(error).__name__}")
+        if isinstance(request_ids, str):
+            raise TypeError(f"request_ids must be an iterable of ids, not one str ({request_ids!r})")
+        ids = list(dict.fromkeys(request_ids))
+        bad = [rid for rid in ids if not isinstance(rid, str)]
+        if bad:
+            raise TypeError(f"request_ids must hold str ids, got {bad[0]!r}")
+        outputs: list[RequestOutput] = []
+        try:
+            for rid in ids:
+                request = self.requests.get(rid)
+                if request is None:
+                    continue
+                self._detach(request)
+                request.error = error
+                outputs.append(self._finish(request, FAILED))
+        except BaseException:
+            self._pending_outputs.extend(outputs)  # ended: their outputs come from the next update
+            raise
+        return outputs
+
+    # ---- a step's results ---------------------------------------------------
+
+    def _check_model_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> None:
+        """Everything ``update_from_output`` needs valid, before any state changes."""
+        if not isinstance(scheduler_output, SchedulerOutput):
+            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {type(scheduler_output).__name__}")
+        if not isinstance(model_output, ModelRunnerOutput):
+            raise TypeError(f"model_output must be a ModelRunnerOutput, got {type(model_output).__name__}")
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        req_ids = model_output.req_ids
+        if not num_scheduled.keys() >= set(req_ids):
+            unknown = sorted(set(req_ids) - num_scheduled.keys())
+            raise ValueError(f"ModelRunnerOutput names requests not scheduled in this step: {unknown[:5]}")
+        if not num_scheduled.keys() >= model_output.errors.keys():
+            unknown = sorted(model_output.errors.keys() - num_scheduled.keys())
+            raise ValueError(f"ModelRunnerOutput.errors names requests not scheduled in this step: {unknown[:5]}")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError("ModelRunnerOutput.req_ids holds duplicates")
+        for rid, toks in zip(req_ids, model_output.sampled_token_ids):
+            if len(toks) > 1 and len(toks) > len(spec_scheduled.get(rid, ())) + 1:
+                raise ValueError(f"request {rid!r} got {len(toks)} tokens but had "
+                                 f"{len(spec_scheduled.get(rid, ()))} drafts scheduled; at most drafts + 1")
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply one step's results; returns one ``RequestOutput`` per request
+        that produced tokens or ended (including ends from abort/failure since
+        the last call). A scheduled request missing from ``model_output``
+        produced nothing (its last position is recomputed). Drafts count as
+        proposed (``num_draft_tokens``) only for a request that came back with
+        tokens: drafts never verified are not counted."""
+        self._check_model_output(scheduler_output, model_output)
+        self.in_flight_output = None
+        req_ids = model_output.req_ids
+        sampled = model_output.sampled_token_ids
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if len(req_ids) < len(num_scheduled):  # silent requests produced nothing
+            given = set(req_ids)
+            missing = [r for r in num_scheduled if r not in given]
+            req_ids = list(req_ids) + missing
+            sampled = list(sampled) + [_EMPTY] * len(missing)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        try:
+            any_finished = self._fail_errored(model_output.errors, outputs) if model_output.errors else False
+            any_finished |= self._apply_tokens(scheduler_output, model_output, req_ids, sampled, outputs)
+        except BaseException:
+            # Interrupted: what was applied stays (its outputs come with the next
+            # call, or take_pending_outputs). A request not reached is rolled back
+            # as after a failed step (resumed from its known tokens): the runner
+            # already holds this step's tokens for it, which the scheduler never
+            # saw, so it must be told to start over rather than to recompute one
+            # position.
+            self._pending_outputs[:0] = outputs
+            for rid in req_ids:
+                req = self.requests.get(rid)
+                if req is not None and req.status is RUNNING and req.num_computed_tokens >= req.num_tokens:
+                    self._roll_back(req, False)  # a key() raising while re-queueing fails the request
+            self.running = [r for r in self.running if r.status is RUNNING]
+            raise
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return outputs
+
+    def _apply_tokens(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,
+                      req_ids: list[str], sampled: list[list[int]], outputs: list[RequestOutput]) -> bool:
+        """The per-request loop of ``update_from_output`` (hot: one pass per
+        request and step, kept inline). Returns True if a request ended."""
+        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+        now = self.clock()
+        max_len = self.config.max_model_len
+        num_spec = self.config.num_speculative_tokens
+        drafts_next = model_output.spec_token_ids
+        logprobs = model_output.logprobs
+        requests = self.requests
+        cache_blocks = self._cache_blocks
+        block_size = self.block_size
+        any_finished = False
+        for idx, rid in enumerate(req_ids):
+            req = requests.get(rid)
+            if req is None or req.status is not RUNNING:
+                continue  # ended since schedule()
+            try:
+                num_tokens = req.num_tokens
+                status = None
+                if req.num_computed_tokens < num_tokens:
+                    toks = _EMPTY  # mid-prefill: nothing to sample (tokens given are ignored)
+                else:
+                    toks = sampled[idx]
+                    k = len(toks)
+                    # Positions past the last accepted token must be computed again:
+                    # rejected drafts, or the last position when nothing came back.
+                    req.num_computed_tokens = num_tokens + k - 1
+                    drafts = spec_scheduled.get(rid)
+                    if drafts is not None:
+                        req.spec_token_ids = []
+                        if k:
+                            req.num_draft_tokens += len(drafts)
+                            req.num_accepted_tokens += k - 1
+                    # Stop conditions, token by token (several arrive with drafts).
+                    stop_ids = req.stop_token_ids
+                    num_out = num_tokens - req.num_prompt_tokens
+                    for pos, tok in enumerate(toks):
+                        num_out += 1
+                        if tok in stop_ids and num_out >= req.min_tokens:
+                            status, req.stop_reason = STOPPED, tok
+                        elif num_out >= req.max_tokens or num_tokens + pos + 1 >= max_len:
+                            status = LENGTH_CAPPED
+                        else:
+                            continue
+                        if pos + 1 < k:
+                            toks = toks[:pos + 1]
+                        break
+                    if k:
+                        req.append_output_token_ids(toks, now)
+                # Commit after compute: the KV of every computed position is written now.
+                if cache_blocks is not None and req.num_computed_tokens // block_size > req.num_committed_blocks:
+                    cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+                    req.num_committed_blocks = req.num_computed_tokens // block_size
+                if not toks:
+                    continue
+                if status is None:
+                    if drafts_next is not None and num_spec:
+                        proposed = drafts_next[idx]
+                        room = min(num_spec, max_len - req.num_tokens)
+                        req.spec_token_ids = list(proposed[:room]) if room > 0 else []
+                    outputs.append(RequestOutput(rid, toks, logprobs=logprobs[idx] if logprobs is not None else None))
+                else:
+                    any_finished = True
+                    out = self._finish(req, status, toks)
+                    if logprobs is not None:
+                        out.logprobs = logprobs[idx]
+                    outputs.append(out)
+            except Exception as exc:
+                if req.status is RUNNING:  # fail this request only; the others go on
+                    any_finished = True
+                    self._recompute_last(req)
+                    self._fail_now(req, f"applying the step's output to request {rid!r} raised "
+                                        f"{type(exc).__name__}: {exc}", outputs)
+        return any_finished
+
+    def _fail_errored(self, errors: dict[str, str], outputs: list[RequestOutput]) -> bool:
+        """End the requests the model runner reported errors for; True if any ended."""
+        ended = False
+        for rid, message in errors.items():
+            req = self.requests.get(rid)
+            if req is None or req.status is not RUNNING:
+                continue  # ended since schedule()
+            self._recompute_last(req)
+            self._fail_now(req, message, outputs)
+            ended = True
+        return ended
+
+    @staticmethod
+    def _recompute_last(req: Request) -> None:
+        """If this step's sampled positions of ``req`` were not applied, forget
+        them (and its drafts): the last position is computed again."""
+        if req.num_computed_tokens >= req.num_tokens:
+            req.num_computed_tokens = req.num_tokens - 1
+            req.spec_token_ids = []
+
+    # ---- failed steps -----------------------------------------------------------
+
+    def rollback_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step ``scheduler_output`` was scheduled but its model execution
+        failed or was interrupted (call it before the next ``schedule()``).
+
+        Every request of that output that is still running is put back in the
+        waiting queue at its policy key's place, as after a preemption: its
+        blocks freed (safe: commit after compute means none of this step's
+        blocks was indexed; blocks committed by earlier steps stay cached, so
+        the recompute hits them), ``num_computed_tokens = 0``, drafts dropped.
+        ``num_preemptions`` (scheduler and request) is *not* incremented: this
+        is not memory pressure. A request whose first step this was goes back
+        as never scheduled (it is sent to the runner as new again). The next
+        ``SchedulerOutput`` repeats this output's ``finished_req_ids`` and
+        ``preempted_req_ids`` and lists the rolled-back requests in
+        ``preempted_req_ids`` (the runner may not have seen this output).
+        Policy accounting (``on_tokens_scheduled``) is not rewound.
+        """
+        if not isinstance(scheduler_output, SchedulerOutput):
+            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {type(scheduler_output).__name__}")
+        if self.in_flight_output is scheduler_output:
+            self.in_flight_output = None
+        new_ids = {d.req_id for d in scheduler_output.scheduled_new_reqs}
+        requests = self.requests
+        to_roll = [requests[rid] for rid in scheduler_output.num_scheduled_tokens
+                   if rid in requests and requests[rid].status is RUNNING]
+        self._finished_ids |= {rid for rid in scheduler_output.finished_req_ids if rid not in requests}
+        self._unreported_preempted |= scheduler_output.preempted_req_ids
+        try:
+            for req in to_roll:
+                self._roll_back(req, req.request_id in new_ids)
+        except BaseException:
+            self._repair(new_ids)
+            raise
+        if to_roll:
+            self.running = [r for r in self.running if r.status is RUNNING]
+
+    def _roll_back(self, req: Request, was_new: bool) -> None:
+        """``req`` (running; the caller filters ``running``) goes back to waiting."""
+        self.kv_cache_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_committed_blocks = 0
+        req.spec_token_ids = []
+        if was_new:  # its first step never happened
+            req.status = WAITING
+            req.first_scheduled_time = None
+            req.num_cached_tokens = -1
+        else:
+            req.status = PREEMPTED
+        self._unreported_preempted.add(req.request_id)
+        self._requeue(req, "rolled back")
+
+    def _undo_step(self, step: Any) -> None:
+        """``schedule()`` was interrupted: roll back every request it scheduled."""
+        new_ids = {d.req_id for d in step.new_reqs}
+        self._unreported_preempted |= step.preempted
+        try:
+            for rid in step.num_scheduled:
+                req = self.requests.get(rid)
+                if req is not None and req.status is RUNNING:
+                    self._roll_back(req, rid in new_ids)
+        finally:
+            self._repair(new_ids)
+
+    def _repair(self, new_ids: set[str]) -> None:
+        """Re-establish the queue invariants after an interrupted operation:
+        ``running`` holds exactly the RUNNING requests; every other unfinished
+        request holds no blocks and is in the waiting queue (or failed, if the
+        policy cannot queue it)."""
+        running = [r for r in self.running if r.status is RUNNING and self.requests.get(r.request_id) is r]
+        self.running = running
+        in_running = {id(r) for r in running}
+        for req in list(self.requests.values()):
+            if id(req) in in_running:
+                continue
+            if req.status is RUNNING:  # left running without being put back
+                self._roll_back(req, req.request_id in new_ids)
+                continue
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
+            req.num_committed_blocks = 0
+            if req not in self.waiting:
+                self._requeue(req, "put back")
+
+    # ---- preemption and ends ------------------------------------------------------
+
+    def _preempt(self, request: Request, step: Any) -> None:
+        """Free ``request``'s blocks (it left ``running``) and queue it again."""
+        self.kv_cache_manager.free(request)
+        request.status = PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_committed_blocks = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.add(request.request_id)
+        self._requeue(request, "preempted")
+
+    def _requeue(self, request: Request, why: str) -> None:
+        """Put a request holding no blocks in the waiting queue; it fails if
+        the policy's ``key`` (or its queue) raises for it."""
+        try:
+            self.waiting.add(request)
+        except Exception as exc:
+            self._fail(request, f"scheduling policy {self.policy!r} could not queue {why} request "
+                                f"{request.request_id!r}: {type(exc).__name__}: {exc}")
+
+    def _waiting_queue_failed(self, exc: Exception) -> None:
+        """The policy's waiting queue raised on ``peek``/``pop``: it cannot be
+        trusted, so every request in it fails and an empty queue replaces it."""
+        message = (f"the waiting queue of scheduling policy {self.policy!r} raised "
+                   f"{type(exc).__name__}: {exc}; every waiting request failed")
+        stranded = [r for r in self.requests.values() if r.status is not RUNNING]
+        self.waiting = self._new_waiting_queue()
+        for req in stranded:
+            self._fail(req, message)
+
+    def _detach(self, request: Request) -> None:
+        """Take an unfinished request out of ``running`` or the waiting queue."""
+        if request.status is RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
+    def _no_room_message(self, request: Request, num_tokens: int) -> str:
+        num_blocks = getattr(self.kv_cache_manager, "num_blocks", None)
+        usable = num_blocks - 1 if isinstance(num_blocks, int) else "?"
+        return (f"request {request.request_id!r} cannot fit in the KV cache even alone: it needs room for "
+                f"{request.num_computed_tokens + num_tokens} tokens ({self.block_size}-token blocks) and the cache "
+                f"has {usable} usable blocks; add KV blocks or lower max_model_len / max_tokens")
+
+    def _fail(self, request: Request, message: str) -> None:
+        """End ``request`` (out of the queues already) as failed; its final
+        output comes from the next ``update_from_output``."""
+        request.error = message
+        self._pending_outputs.append(self._finish(request, FAILED))
+
+    def _fail_now(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
+        """End a running ``request`` as failed; its final output goes to ``outputs``
+        (the caller filters ``running``)."""
+        request.error = message
+        outputs.append(self._finish(request, FAILED))
+
+    def _finish(self, request: Request, status: RequestStatus, new_token_ids: list[int] = _EMPTY) -> RequestOutput:
+        """End ``request`` (out of the queues already) with ``status``; returns
+        its final output. The only way out of ``self.requests``."""
+        self.kv_cache_manager.free(request)
+        rid = request.request_id
+        del self.requests[rid]
+        self._finished_ids.add(rid)
+        request.status = status
+        request.spec_token_ids = []
+        request.finish_time = self.clock()
+        out = RequestOutput(rid, new_token_ids, True, request.finish_reason, request.stop_reason,
+                            request.error, None, request.metrics())
+        try:
+            self.policy.on_request_finished(request)
+        except Exception as exc:
+            request.status = FAILED
+            request.error = out.error = (f"scheduling policy {self.policy!r}.on_request_finished raised "
+                                         f"{type(exc).__name__}: {exc}")
+            out.finish_reason = request.finish_reason
+            out.metrics = request.metrics()
+        except BaseException:
+            self._count_end(request)
+            self._pending_outputs.append(out)  # ended: the next update delivers it
+            raise
+        self._count_end(request)
+        return out
+
+    def _count_end(self, request: Request) -> None:
+        self.num_finished += 1
+        status = request.status
+        if status is FAILED:
+            self.num_failed += 1
+        elif status is ABORTED:
+            self.num_aborted += 1
