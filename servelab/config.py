@@ -4,7 +4,7 @@ Three frozen sections and two top-level settings::
 
     PipelineConfig(
         cache=CacheConfig(block_size=16, num_blocks=None, enable_prefix_caching=True,
-                          kv_cache_memory_bytes=None, eviction_policy="lru"),
+                          kv_cache_memory_bytes=None, eviction_policy="lru", kv_cache_groups="auto"),
         scheduler=SchedulingConfig(policy="fcfs", max_num_seqs=64, max_num_batched_tokens=512,
                                    long_prefill_token_threshold=0, max_model_len=None,
                                    enable_chunked_prefill=True),
@@ -72,6 +72,9 @@ def _name_or_object(section: str, name: str, value: object, *, optional: bool = 
                         + (" (or None)" if optional else ""))
 
 
+KV_CACHE_GROUPS = ("auto", "uniform")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache.
@@ -88,6 +91,20 @@ class CacheConfig:
             :func:`servelab.pipeline.sizing.default_kv_cache_budget`).
         eviction_policy: which cached free block is reused first: a name
             (``"lru"``, the default) or an eviction-policy object.
+        kv_cache_groups: how layers of different kinds share the cache.
+            ``"auto"`` (default): when the model's layers differ (Gemma 2's
+            alternating sliding-window / full layers, a Qwen2 config with
+            ``max_window_layers``), a
+            :class:`~servelab.blocks.HybridKVCacheManager` with one KV-cache
+            group per kind and one block table per group, so sliding layers
+            hold only their window's blocks; one group otherwise.
+            ``"uniform"``: one full-attention group for every layer, the
+            windows applied as masks only (every block kept). With several
+            groups a pool block is one page in ``group_size`` layers (not in
+            every layer), so the same ``num_blocks`` is less memory and a
+            request holds blocks in each group (see
+            :mod:`servelab.pipeline.hybrid`; the default pool spends the
+            same bytes either way).
     """
 
     block_size: int = 16
@@ -95,8 +112,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     eviction_policy: Any = "lru"
+    kv_cache_groups: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_groups not in KV_CACHE_GROUPS:
+            raise (TypeError if not isinstance(self.kv_cache_groups, str) else ValueError)(
+                f"CacheConfig.kv_cache_groups={self.kv_cache_groups!r} is invalid; valid: "
+                f"{', '.join(map(repr, KV_CACHE_GROUPS))}")
         _int("CacheConfig", "block_size", self.block_size, 1)
         _int("CacheConfig", "num_blocks", self.num_blocks, 2, optional=True)
         _bool("CacheConfig", "enable_prefix_caching", self.enable_prefix_caching)

@@ -6,7 +6,7 @@ signatures, checks and results as the references
 (:mod:`servelab.reference.reshape_and_cache`,
 :mod:`servelab.reference.merge_attn_states`), which the tests hold them to;
 the difference is the hot path: with ``check_inputs=False`` and no skipped
-slot the write is two ``index_put_`` calls.
+slot the write is two ``index_copy_`` calls.
 """
 
 from __future__ import annotations
@@ -36,15 +36,27 @@ def reshape_and_cache(
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    block_size = key_cache.shape[1]
-    slots = slot_mapping.long()
+    slots, rows = _prepared_slots(slot_mapping)
     key, value = key[:n], value[:n]
+    if rows is not None:  # padding rows skipped
+        key, value = key[rows], value[rows]
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        num_blocks, block_size = cache.shape[:2]
+        if num_blocks < 2 or cache.stride(0) == block_size * cache.stride(1):
+            # A flattenable cache (every layout but "block_outermost"): one
+            # index_copy_ over [N * B, Hk, D] rows, no block/offset split.
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src)  # view: never a silent copy
+        else:
+            cache.index_put_((slots // block_size, slots % block_size), src)
+
+
+def _prepared_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int64 slots without the ``-1`` rows, and the kept row indices (``None``: all kept)."""
+    slots, rows = slot_mapping.long(), None
     if bool((slots < 0).any()):  # padding rows (one host read; free for CPU tensors)
         rows = torch.nonzero(slots >= 0).flatten()
-        slots, key, value = slots[rows], key[rows], value[rows]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache.index_put_((blocks, offsets), key)
-    value_cache.index_put_((blocks, offsets), value)
+        slots = slots[rows]
+    return slots, rows
 
 
 def merge_attn_states(

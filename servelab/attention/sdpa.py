@@ -3,14 +3,24 @@
 
 The reference (:mod:`servelab.reference.paged_attention`) loops over
 sequences, which is what makes it readable and what makes it slow in a
-serving loop. Here a step is split once, by :func:`plan_attention`, into at
-most two padded problems, and every layer reuses that plan:
+serving loop. Here a step is split once, by :func:`plan_attention`, into a
+few padded problems, and every layer reuses that plan:
 
-- the **decode group**: sequences with one query row (the bulk of a serving
-  step). Queries are ``[n, Hq, 1, D]``; no query padding at all.
-- the **prefill group**: sequences with several query rows (prompts, chunks,
-  draft verification), padded to the longest query of the group only, so a
-  long prompt chunk never pads the decodes beside it.
+- the **decode groups**: sequences with one query row (the bulk of a serving
+  step). Queries are ``[n, Hq, 1, D]``; no query padding at all; contexts
+  bucketed by length like the prefills (with a smaller fixed cost per bucket,
+  :data:`DECODE_BUCKET_OVERHEAD`), so a 40-token context is not padded to a
+  300-token neighbour. A step that is one decode bucket in row order reads
+  its queries and writes its output in place (no gather, no scatter).
+- the **prefill groups**: sequences with several query rows (prompts, chunks,
+  draft verification), sorted by length and cut into buckets where one more
+  SDPA call per layer costs less than the padding it saves
+  (:func:`bucket_sequences`), each padded to its own longest query and
+  context only, so a long prompt never pads the short ones (nor the decodes).
+  A bucket whose sequences all start at position 0 with no window (fresh
+  prompts) needs no mask at all: SDPA's ``is_causal=True`` gives the same
+  rows (padding sits at the end of both axes, past every real row's
+  diagonal) and lets the kernel skip the blocks above the diagonal.
 
 For each group the plan holds the per-token gather indices of its K/V
 (``block_table[i, p // B]``, ``p % B``; positions past a sequence's end read
@@ -54,13 +64,18 @@ class _Group:
     kv_blocks: torch.Tensor  # int64 [n, max_kv]: cache block of each key position
     kv_offsets: torch.Tensor  # int64 [n, max_kv]: offset inside the block
     kv_slots: torch.Tensor  # int64 [n * max_kv]: block * B + offset (for a flattenable cache)
-    allowed: torch.Tensor  # bool [n, max_q, max_kv]: length, causal and window
+    allowed: torch.Tensor | None  # bool [n, max_q, max_kv]: length, causal and window (None if is_causal)
     out_src: torch.Tensor | None  # int64 [R]: real rows among the n * max_q (None: all are real)
     out_dst: torch.Tensor  # int64 [R]: their rows in the output
+    is_causal: bool = False  # fresh prompts, no window: SDPA's is_causal=True replaces the mask
+    identity: bool = False  # q_index is arange(num_tokens) with max_q 1 (a pure decode step): no gather/scatter
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``[n, 1, max_q, max_kv]`` (0 where allowed, -inf elsewhere), cached per dtype."""
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask ``[n, 1, max_q, max_kv]`` (0 where allowed, -inf elsewhere), cached
+        per dtype; ``None`` for an ``is_causal`` group."""
+        if self.is_causal:
+            return None
         cached = self._masks.get(dtype)
         if cached is None:
             cached = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
@@ -101,17 +116,79 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
     groups = []
-    for select in (q_lens == 1, q_lens > 1):
-        index = torch.nonzero(select).flatten()
-        if index.numel():
+    for decoding, costs in ((True, DECODE_BUCKET_OVERHEAD), (False, BUCKET_OVERHEAD)):
+        members = torch.nonzero(q_lens == 1 if decoding else q_lens > 1).flatten()
+        if not members.numel():
+            continue
+        # One host read of the group's lengths per step.
+        q_host, kv_host = q_lens[members].tolist(), lens[members].tolist()
+        for bucket in bucket_sequences(q_host, kv_host, overhead=costs):
+            index = members if len(bucket) == len(q_host) else members[torch.tensor(bucket, device=device)]
+            fresh = (not decoding and causal and sliding_window is None
+                     and all(q_host[i] == kv_host[i] for i in bucket))
             groups.append(_plan_group(block_table.index_select(0, index).long(), lens[index], starts[index],
-                                      q_lens[index], block_size, causal, sliding_window, device))
+                                      q_lens[index], block_size, causal, sliding_window, device, fresh))
+    # Every sequence decodes one token in one bucket (the bulk of a serving
+    # loop): the queries are the rows in order, the output needs no scatter.
+    if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
+        groups[0].identity = bool(torch.equal(groups[0].q_index[:, 0], torch.arange(lens.shape[0], device=device)))
     num_tokens = int(starts[-1]) if starts.numel() else 0
     return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
 
 
+BUCKET_OVERHEAD = 4096
+"""Cost of one more prefill SDPA problem per layer (gathers, mask, call,
+scatter), in padded (query row, key) pairs: :func:`bucket_sequences` splits
+a bucket only where that saves more pairs than this. Measured on a CPU, one
+thread: a group's fixed cost per layer is ~100 us, about the time SDPA spends
+on this many pairs at SmolLM2's 9 x 64 query width."""
+
+DECODE_BUCKET_OVERHEAD = 512
+"""The same for decode buckets. A decode pair costs more (its K/V row is
+gathered for one query row only), so a padded key is worth more."""
+
+MAX_BUCKET = 64
+"""Longest run of sequences :func:`bucket_sequences` considers for one bucket
+(bounds its quadratic search; ``O(64 n)`` host work per step)."""
+
+
+def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
+                    overhead: int = BUCKET_OVERHEAD) -> list[list[int]]:
+    """Partition sequences into padded SDPA problems of least total cost.
+
+    Sequences are sorted by context length (query length breaking ties) and
+    cut into contiguous runs; a run of ``n`` sequences costs ``overhead +
+    n * max(q_lens) * max(kv_lens)`` padded score pairs. An exact dynamic
+    program over cut points (runs of at most :data:`MAX_BUCKET`).
+
+    Args:
+        q_lens, kv_lens: per-sequence query rows and context length (``kv >= q``).
+        overhead: fixed cost of one more bucket, in pairs.
+
+    Returns:
+        Buckets of indices into the inputs, shortest first; every index once.
+    """
+    order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: least cost of order[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        max_q, max_kv = 0, kv_lens[order[j - 1]]  # sorted: the run's last sequence has the longest context
+        for i in range(j - 1, max(-1, j - 1 - MAX_BUCKET), -1):
+            max_q = max(max_q, q_lens[order[i]])
+            cost = best[i] + overhead + (j - i) * max_q * max_kv
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
+
+
 def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
-                block_size: int, causal: bool, window: int | None, device: torch.device) -> _Group:
+                block_size: int, causal: bool, window: int | None, device: torch.device,
+                fresh: bool = False) -> _Group:
     max_q, max_kv = int(q_lens.max()), int(lens.max())
     kv_pos = torch.arange(max_kv, device=device)
     in_seq = kv_pos[None, :] < lens[:, None]  # [n, max_kv]
@@ -120,11 +197,16 @@ def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q
     t = torch.minimum(torch.arange(max_q, device=device)[None, :], q_lens[:, None] - 1)  # [n, max_q]
     q_index = starts[:, None] + t
     q_pos = (lens - q_lens)[:, None] + t  # absolute position of each query row
-    allowed = in_seq[:, None, :].expand(-1, max_q, -1)
-    if causal:
-        allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        allowed = allowed & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+    is_causal = fresh and max_q == max_kv
+    if is_causal:  # SDPA's own causal mask; no [n, max_q, max_kv] tensor to build
+        allowed = None
+    else:
+        allowed = in_seq[:, None, :].expand(-1, max_q, -1)
+        if causal:
+            allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
+        if window is not None:
+            allowed = allowed & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+        allowed = allowed.contiguous()
     if max_q == 1:
         out_src, out_dst = None, q_index[:, 0]
     else:
@@ -133,7 +215,7 @@ def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q
         out_dst = q_index.flatten()[out_src]
     kv_offsets = safe_pos % block_size
     kv_slots = (kv_blocks * block_size + kv_offsets).flatten()
-    return _Group(q_index, kv_blocks, kv_offsets, kv_slots, allowed.contiguous(), out_src, out_dst)
+    return _Group(q_index, kv_blocks, kv_offsets, kv_slots, allowed, out_src, out_dst, is_causal=is_causal)
 
 
 def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size: int, causal: bool,
@@ -156,16 +238,24 @@ def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
     return cache[group.kv_blocks, group.kv_offsets]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q ``[n, max_q, Hq, D]``, k/v ``[n, max_kv, Hk, D]``, mask ``[n, 1, max_q, max_kv]`` -> ``[n, max_q, Hq, D]``."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """q ``[n, max_q, Hq, D]``, k/v ``[n, max_kv, Hk, D]``, mask ``[n, 1, max_q, max_kv]``
+    (``None``: causal with ``max_q == max_kv``) -> ``[n, max_q, Hq, D]``."""
     n, max_q, num_q_heads, head_size = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     if group == 1 or GQA_NATIVE:
         extra = {"enable_gqa": True} if group > 1 else {}
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale, **extra)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                             is_causal=mask is None, **extra)
         return out.transpose(1, 2)
+    if mask is None:  # the fallback folds queries, so the diagonal needs an explicit mask
+        max_kv = k.shape[2]
+        mask = torch.zeros(max_q, max_kv, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(torch.ones(max_q, max_kv, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        mask = mask.expand(n, 1, max_q, max_kv)
     # Fold each KV head's query-head group into the query axis: [n, Hk, G * max_q, D].
     folded = q.view(n, max_q, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
     folded = folded.reshape(n, num_kv_heads, group * max_q, head_size)
@@ -218,8 +308,17 @@ def paged_attention(
                               sliding_window=sliding_window)
     else:
         _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window)
-    result = out if out is not None else torch.empty_like(query)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if len(plan.groups) == 1 and plan.groups[0].identity:
+        g = plan.groups[0]
+        q = query.unsqueeze(1).to(compute)  # [T, 1, Hq, D]: sequence i is row i
+        attn = _attend(q, _gather(key_cache, g).to(compute), _gather(value_cache, g).to(compute),
+                       g.mask(compute), scale)
+        attn = attn.reshape(query.shape).to(query.dtype)
+        if out is None:
+            return attn
+        return out.copy_(attn)
+    result = out if out is not None else torch.empty_like(query)
     for g in plan.groups:
         q = query.index_select(0, g.q_index.flatten()).view(*g.q_index.shape, *query.shape[1:]).to(compute)
         k = _gather(key_cache, g).to(compute)  # [n, max_kv, Hk, D]

@@ -263,7 +263,9 @@ class KVCacheManagerProtocol(Protocol):
         ...
 
     def get_block_ids(self, request: KVCacheRequest | str) -> list[int]:
-        """The request's block-table row: block ids in token order (0 = null)."""
+        """The request's block-table row: block ids in token order (0 = null).
+        A manager of several KV-cache groups (``HybridKVCacheManager``) returns
+        a tuple of rows, one per group, and ``allocate_slots`` a tuple of lists."""
         ...
 
     def reset_prefix_cache(self) -> bool:

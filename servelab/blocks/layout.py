@@ -86,18 +86,37 @@ def allocate_kv_cache(
     layout: str = "layer_outermost",
     kernel_block_size: int | None = None,
     device: torch.device | str = "cpu",
+    zero_fill: bool = True,
 ) -> KVCacheBuffers:
     """Allocate one int8 buffer for ``num_layers`` layers of ``num_blocks``
-    blocks each, and return it with per-layer views (see module docstring)."""
+    blocks each, and return it with per-layer views (see module docstring).
+
+    ``zero_fill=False`` leaves every block but the null block 0 uninitialized
+    (``torch.empty``): no up-front pass over the whole pool, and on a CPU the
+    operating system maps a large buffer's pages only when first written, so
+    resident memory grows with the blocks actually used. That is safe for
+    readers that never let an unwritten slot reach a result (the attention
+    backends read positions below ``seq_len`` only, or mask their loads);
+    block 0 stays zeroed because block tables point padding and
+    out-of-window blocks at it and a reference may read it under a mask,
+    where ``0 * NaN`` garbage would still be NaN.
+    """
     check_int("num_layers", num_layers, min_value=1)
     check_int("num_blocks", num_blocks, min_value=1)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not known; valid: {LAYOUTS}")
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
-    buffer = torch.zeros(num_layers * num_blocks * spec.page_size_bytes, dtype=torch.int8, device=device)
+    alloc = torch.zeros if zero_fill else torch.empty
+    buffer = alloc(num_layers * num_blocks * spec.page_size_bytes, dtype=torch.int8, device=device)
     views = layer_views(buffer, spec, num_layers, num_blocks, layout=layout, kernel_block_size=kernel_block_size)
     kbs = spec.block_size if kernel_block_size is None else kernel_block_size
+    if not zero_fill:
+        # The null block: its first ``block_size / kernel_block_size`` kernel blocks (one row for Mamba).
+        rows = 1 if isinstance(spec, MambaSpec) else spec.block_size // kbs
+        for layer in views:
+            for view in layer:
+                view[:rows].zero_()
     return KVCacheBuffers(buffer, views, layout, kbs)
 
 

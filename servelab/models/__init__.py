@@ -20,12 +20,13 @@ from servelab.models.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from servelab.models.llama import LlamaForCausalLM, resolve_attention
 from servelab.models.loader import allocate_kv_caches, checkpoint_files, kv_cache_spec, load_model, load_weights
-from servelab.models.metadata import AttentionMetadata, prepare_inputs
+from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata, prepare_inputs
 from servelab.models.tiny import build_tiny_model, random_weights, tiny_config
 from servelab.models.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 __all__ = [
-    "AttentionMetadata", "LlamaForCausalLM", "ModelConfig", "RMSNorm", "RotaryEmbedding",
+    "AttentionMetadata", "GroupedAttentionMetadata", "LlamaForCausalLM", "ModelConfig", "RMSNorm",
+    "RotaryEmbedding",
     "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "SwiGLUMLP", "allocate_kv_caches",
     "build_tiny_model", "build_tiny_tokenizer", "checkpoint_files", "kv_cache_spec", "load_config",
     "load_model", "load_tokenizer", "load_weights", "prepare_inputs", "random_weights",

@@ -36,8 +36,8 @@ from torch import nn
 
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RotaryEmbedding, apply_rotary
-from servelab.models.llama import LlamaForCausalLM, _StepAttention
-from servelab.models.metadata import AttentionMetadata
+from servelab.models.llama import LlamaForCausalLM, _StepAttention, layer_attentions
+from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
 
 class GemmaRMSNorm(nn.Module):
@@ -195,9 +195,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         cos, sin = self.rotary_emb(positions, attn_metadata.seq_lens, attn_metadata.query_start_loc, dtype=x.dtype)
-        attention = SoftcapStepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1,
-                                         self.attn_softcap)
-        for layer, kv_cache in zip(self.model.layers, caches):
+        if type(attn_metadata) is GroupedAttentionMetadata:  # sliding and full layers in their own KV groups
+            attentions = layer_attentions(SoftcapStepAttention, self.attention, attn_metadata, self.attn_softcap)
+        else:
+            attention = SoftcapStepAttention(self.attention, attn_metadata,
+                                             caches[0][0].shape[1] if caches else 1, self.attn_softcap)
+            attentions = [attention] * len(caches)
+        for layer, kv_cache, attention in zip(self.model.layers, caches, attentions):
             x = layer(x, cos, sin, kv_cache, attention)
         return self.model.norm(x)
 

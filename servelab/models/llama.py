@@ -33,7 +33,7 @@ from torch import nn
 
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from servelab.models.metadata import AttentionMetadata
+from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -112,6 +112,14 @@ class _StepAttention:
         return self.ops._paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
                                          softcap=None, out=None, num_splits=None, return_lse=False,
                                          check_inputs=False, **extra)
+
+
+def layer_attentions(make: Any, ops: Any, metadata: GroupedAttentionMetadata, *args: Any) -> list[Any]:
+    """Per model layer, the step attention of its KV-cache group: ``make(ops,
+    group_metadata, group_block_size, *args)`` once per group (so plans and
+    checks are still once per group and window), shared by the group's layers."""
+    steps = [make(ops, m, bs, *args) for m, bs in zip(metadata.groups, metadata.block_sizes)]
+    return [steps[g] for g in metadata.layer_groups]
 
 
 class LlamaAttention(nn.Module):
@@ -216,14 +224,16 @@ class LlamaForCausalLM(nn.Module):
         if self._attention_auto and self._attention_device != self.device:
             object.__setattr__(self, "_attention", resolve_attention("auto", self.device))
             object.__setattr__(self, "_attention_device", self.device)
-        return self._attention
+        elif self._attention is None:  # the default (the references), resolved on first use only, so
+            object.__setattr__(self, "_attention", resolve_attention(None))  # a pipeline that swaps it
+        return self._attention                                               # never imports them
 
     @attention.setter
     def attention(self, value: Any) -> None:
         auto = isinstance(value, str) and value == "auto"
         object.__setattr__(self, "_attention_auto", auto)
         object.__setattr__(self, "_attention_device", None)
-        object.__setattr__(self, "_attention", None if auto else resolve_attention(value))
+        object.__setattr__(self, "_attention", None if auto or value is None else resolve_attention(value))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,7 +259,9 @@ class LlamaForCausalLM(nn.Module):
                 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
                 model dtype (or the :class:`~servelab.blocks.KVCacheBuffers`
                 from :func:`~servelab.models.allocate_kv_caches`); written in place.
-            attn_metadata: slot mapping, block table, seq_lens, query_start_loc.
+            attn_metadata: slot mapping, block table, seq_lens, query_start_loc; or a
+                :class:`~servelab.models.metadata.GroupedAttentionMetadata` (one per
+                KV-cache group; layer ``i`` uses group ``layer_groups[i]``'s).
 
         Returns:
             ``[T, hidden_size]`` in the model dtype, after the final norm; pick
@@ -260,6 +272,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, attn_metadata.seq_lens, attn_metadata.query_start_loc,
                                    dtype=x.dtype)
+        if type(attn_metadata) is GroupedAttentionMetadata:  # several KV-cache groups: a view per layer
+            for layer, kv_cache, attention in zip(self.model.layers, caches,
+                                                  layer_attentions(_StepAttention, self.attention, attn_metadata)):
+                x = layer(x, cos, sin, kv_cache, attention)
+            return self.model.norm(x)
         attention = _StepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1)
         for layer, kv_cache in zip(self.model.layers, caches):
             x = layer(x, cos, sin, kv_cache, attention)

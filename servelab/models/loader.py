@@ -267,9 +267,13 @@ def kv_cache_spec(config: Any, block_size: int, dtype: torch.dtype | str = torch
 def allocate_kv_caches(model: LlamaForCausalLM | Any, num_blocks: int, block_size: int, *,
                        dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                        layout: str = "layer_outermost") -> KVCacheBuffers:
-    """One zeroed buffer with a ``(key_cache, value_cache)`` view per layer.
+    """One buffer with a ``(key_cache, value_cache)`` view per layer.
 
-    ``num_blocks`` counts the null block 0 like :class:`~servelab.blocks.BlockPool`.
+    Not zero-filled except the null block 0 (see ``zero_fill`` of
+    :func:`~servelab.blocks.layout.allocate_kv_cache`): no backend reads a
+    slot before this step's ``reshape_and_cache`` wrote it, and an idle pool
+    then costs no resident memory. ``num_blocks`` counts the null block 0
+    like :class:`~servelab.blocks.BlockPool`.
     ``dtype``/``device`` default to the model's (float32/CPU for a bare config).
     Pass the result (or its ``.views``) as ``kv_caches`` to the model.
     """
@@ -280,4 +284,5 @@ def allocate_kv_caches(model: LlamaForCausalLM | Any, num_blocks: int, block_siz
     if device is None:
         device = model.device if is_model else "cpu"
     spec = kv_cache_spec(cfg, block_size, dtype)
-    return allocate_kv_cache(spec, cfg.num_hidden_layers, num_blocks, layout=layout, device=device)
+    return allocate_kv_cache(spec, cfg.num_hidden_layers, num_blocks, layout=layout, device=device,
+                             zero_fill=False)

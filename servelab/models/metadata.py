@@ -53,6 +53,50 @@ class AttentionMetadata:
         return AttentionMetadata(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
+@dataclass
+class GroupedAttentionMetadata:
+    """One step's metadata for a model whose layers are in several KV-cache groups.
+
+    Every group has its own block table and so its own ``slot_mapping`` and
+    ``block_table``; ``seq_lens`` and ``query_start_loc`` are the same
+    tensors in every group (one batch). Layer ``i`` reads and writes its
+    cache through ``groups[layer_groups[i]]``.
+
+    Attributes:
+        groups: one :class:`AttentionMetadata` per KV-cache group.
+        layer_groups: per model layer, the index of its group.
+        block_sizes: per group, tokens per block (the group's cache views).
+    """
+
+    groups: tuple[AttentionMetadata, ...]
+    layer_groups: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+
+    # What the model reads outside attention (RoPE, checks): shared by every group.
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.groups[0].slot_mapping
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.groups[0].seq_lens
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return self.groups[0].query_start_loc
+
+    @property
+    def num_seqs(self) -> int:
+        return self.groups[0].num_seqs
+
+    def logits_indices(self) -> torch.Tensor:
+        return self.groups[0].logits_indices()
+
+    def to(self, device: torch.device | str) -> "GroupedAttentionMetadata":
+        return GroupedAttentionMetadata(tuple(m.to(device) for m in self.groups), self.layer_groups,
+                                        self.block_sizes)
+
+
 def prepare_inputs(
     token_ids: Sequence[Sequence[int]],
     num_computed_tokens: Sequence[int],

@@ -11,6 +11,9 @@
   model inputs (persistent block table, slot mapping), and
   :mod:`~servelab.pipeline.sampling_steps`: sampling, draft verification,
   next drafts, each request isolated from the others' failures.
+- :mod:`~servelab.pipeline.hybrid`: models whose layers differ (Gemma 2,
+  Qwen2 with sliding layers): one KV-cache group per kind of layer, the
+  shared buffer, ``HybridModelRunner`` (one block table per group).
 - :mod:`~servelab.pipeline.detokenizer`: incremental detokenizer with stop strings.
 - :mod:`~servelab.pipeline.outputs`: ``GenerationOutput``, ``StreamEvent``.
 - :mod:`~servelab.pipeline.metrics`: ``RunMetrics`` (per run and per step).
@@ -18,6 +21,7 @@
 """
 
 from servelab.pipeline.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from servelab.pipeline.hybrid import HybridModelRunner
 from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
 from servelab.pipeline.pipeline import Pipeline
@@ -35,6 +39,6 @@ def plot_report(run_metrics, path, title: str = ""):
 
 __all__ = [
     "CachedRequestState", "DetokenizerDelta", "DraftModelDrafter", "DraftRequest", "GenerationOutput",
-    "IncrementalDetokenizer", "MetricsRecorder", "ModelRunner", "Pipeline", "RunMetrics", "StreamEvent",
+    "HybridModelRunner", "IncrementalDetokenizer", "MetricsRecorder", "ModelRunner", "Pipeline", "RunMetrics", "StreamEvent",
     "default_num_blocks", "peak_rss_bytes", "plot_report", "resolve_drafter",
 ]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ import torch
 
 from servelab.config import PipelineConfig
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
+from servelab.pipeline.delivery import OutputDelivery, Tracked
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.inputs import (
     RenderedPrompt,
@@ -62,6 +62,7 @@ from servelab.pipeline.inputs import (
 )
 from servelab.pipeline.metrics import MetricsRecorder, ProgressBar, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
+from servelab.pipeline.hybrid import HybridModelRunner, allocate_group_kv_caches
 from servelab.pipeline.runner import ModelRunner
 from servelab.pipeline.setup import (
     attach_attention,
@@ -75,20 +76,13 @@ from servelab.pipeline.sizing import peak_rss_bytes
 from servelab.samplers import Sampler, SamplingParams
 from servelab.samplers.structured import StructuredOutputManager
 from servelab.samplers.verifiers import get_verifier
-from servelab.scheduling import Request, RequestMetrics, RequestOutput, RequestStatus, Scheduler
+from servelab.scheduling import Request, RequestMetrics, RequestOutput, Scheduler
 
-_CACHE_SETTINGS = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "eviction_policy")
-
-
-@dataclass
-class _Tracked:
-    output: GenerationOutput
-    request: Request | None = None
-    detok: IncrementalDetokenizer | None = None
-    done: bool = False
+_CACHE_SETTINGS = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "eviction_policy",
+                   "kv_cache_groups")
 
 
-class Pipeline:
+class Pipeline(OutputDelivery):
     """A serving engine over one model (see the module docstring).
 
     Args:
@@ -111,7 +105,10 @@ class Pipeline:
     Attributes: ``config`` (the resolved config), ``model``, ``tokenizer``,
     ``kv_cache_manager``, ``scheduler``, ``runner``, ``sampler``,
     ``verifier``, ``drafter``, ``attention_backend`` (the backend's name),
-    ``max_model_len``, ``block_size``, ``num_blocks``, ``kv_cache_bytes``.
+    ``max_model_len``, ``block_size``, ``num_blocks``, ``kv_cache_bytes``,
+    ``kv_cache_groups`` (the :class:`~servelab.blocks.KVCacheGroup` tuple of a
+    :class:`~servelab.blocks.HybridKVCacheManager` — see
+    :mod:`servelab.pipeline.hybrid` — else None).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, config: PipelineConfig | None = None,
@@ -122,7 +119,7 @@ class Pipeline:
         self._build_kv_cache(kv_cache_manager)
         self._build_scheduler()
         self._build_runner(sampler)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._events: list[StreamEvent] = []
         self._counter = itertools.count()
         self._recorder = self._new_recorder()
@@ -174,8 +171,14 @@ class Pipeline:
         self.kv_cache_manager = manager
         self.block_size, self.num_blocks = manager.block_size, manager.block_pool.num_blocks
         self.attention_backend = attach_attention(model, self.config.attention_backend, self.block_size)
-        self.kv_caches = allocate_kv_caches(model, self.num_blocks, self.block_size,
-                                            dtype=getattr(manager.spec, "dtype", None))
+        groups = getattr(manager, "groups", None)  # a group manager: one block table per group (pipeline.hybrid)
+        self.kv_cache_groups = tuple(groups) if groups is not None else None
+        if self.kv_cache_groups is not None:
+            self.kv_caches = allocate_group_kv_caches(self.kv_cache_groups, model.config.num_hidden_layers,
+                                                      self.num_blocks, device=model.device)
+        else:
+            self.kv_caches = allocate_kv_caches(model, self.num_blocks, self.block_size,
+                                                dtype=getattr(manager.spec, "dtype", None))
         self.kv_cache_bytes = int(self.kv_caches.buffer.numel() * self.kv_caches.buffer.element_size()) \
             if hasattr(self.kv_caches, "buffer") else 0
         check_attention(model, self.kv_caches.views[0][0])
@@ -200,8 +203,11 @@ class Pipeline:
         eos = () if self.eos_token_id is None else (self.eos_token_id, *self._extra_eos)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
                                                   backend=self.config.grammar_backend)
-        self.runner = ModelRunner(self.model, self.kv_caches, self.block_size, max_model_len=self.max_model_len,
-                                  sampler=self.sampler, drafter=self.drafter, verifier=self.verifier,
+        runner_cls, extra = ModelRunner, {}
+        if self.kv_cache_groups is not None:  # one block table and metadata per KV-cache group
+            runner_cls, extra = HybridModelRunner, {"groups": self.kv_cache_groups}
+        self.runner = runner_cls(self.model, self.kv_caches, self.block_size, max_model_len=self.max_model_len,
+                                  **extra, sampler=self.sampler, drafter=self.drafter, verifier=self.verifier,
                                   num_speculative_tokens=spec.num_speculative_tokens,
                                   max_num_reqs=self.scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id,
                                   structured=self.structured)
@@ -274,7 +280,7 @@ class Pipeline:
                 raise ValueError(f"duplicate request_id {rid!r}: a request with this id is still tracked")
             number = next(self._counter)
         text = prompt.text if isinstance(prompt, RenderedPrompt) else prompt if isinstance(prompt, str) else None
-        tracked = _Tracked(GenerationOutput(rid, number if index is None else index, text, []))
+        tracked = Tracked(GenerationOutput(rid, number if index is None else index, text, []))
         self._tracked[rid] = tracked
         try:
             ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
@@ -305,7 +311,7 @@ class Pipeline:
             self.structured.remove_request(request.request_id)
             raise
 
-    def _fail_unqueued(self, tracked: _Tracked, priority: Any, error: str) -> None:
+    def _fail_unqueued(self, tracked: Tracked, priority: Any, error: str) -> None:
         now, out = self.clock(), tracked.output
         metrics = RequestMetrics(out.request_id, "default", priority if isinstance(priority, int) else 0, "error",
                                  len(out.prompt_token_ids), 0, 0, 0, 0, 0, now, None, None, now, [])
@@ -316,15 +322,20 @@ class Pipeline:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.done or tracked.request is None:
             return False
+        interrupted: BaseException | None = None
         try:
             self.scheduler.abort_request(request_id)
-        except Exception as exc:  # the scheduler's own end path failed: end it as failed, never leave it
-            self.scheduler.fail_requests([request_id], f"abort failed: {type(exc).__name__}: {exc}")
+        except BaseException as exc:  # the scheduler's end path raised (a policy hook): never leave it running
+            if request_id in self.scheduler.requests:
+                self.scheduler.fail_requests([request_id], f"abort failed: {type(exc).__name__}: {exc}")
+            interrupted = None if isinstance(exc, Exception) else exc
         try:
             text = self._flush(tracked)
         except Exception:  # a tokenizer failing here must not keep the request alive
             text = ""
         self._finish(tracked, "abort", tracked.request.metrics(), [], text)
+        if interrupted is not None:  # ended; now let the Ctrl-C through
+            raise interrupted
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -373,104 +384,12 @@ class Pipeline:
                                    kv_tokens=sched_out.total_num_kv_tokens)
         return self._take_events()
 
-    def _apply_all(self, outputs: Sequence[RequestOutput]) -> None:
-        """Deliver the scheduler's outputs, each request on its own.
-
-        The scheduler has already applied them, so they must reach the
-        caller whatever happens here: a request whose delivery raises
-        (detokenizer, stop-string handling) fails alone; on an interrupt
-        (``BaseException``) that request fails, the outputs not yet delivered
-        are kept for the next :meth:`step` (or the end of the run), and the
-        interrupt propagates.
-        """
-        for k, out in enumerate(outputs):
-            try:
-                self._apply(out)
-            except BaseException as exc:
-                self._fail_delivery(out, exc)
-                if not isinstance(exc, Exception):
-                    self._pending = list(outputs[k + 1:]) + self._pending
-                    raise
-
-    def _take_pending(self) -> list[RequestOutput]:
-        pending, self._pending = self._pending, []
-        return pending
-
-    def _fail_delivery(self, out: RequestOutput, exc: BaseException) -> None:
-        """End a request whose output could not be delivered, with the reason."""
-        tracked = self._tracked.get(out.request_id)
-        if tracked is None or tracked.done:
-            return
-        error = f"request {out.request_id!r}: delivering its output failed: {type(exc).__name__}: {exc}"
-        if not out.finished and self.scheduler.requests.get(out.request_id) is not None:
-            self.scheduler.fail_requests([out.request_id], error)
-        metrics = out.metrics or (tracked.request.metrics() if tracked.request is not None else None)
-        self._finish(tracked, "error", metrics, [], "", error=error)
-
     def _rollback(self, sched_out: Any) -> None:
         """Undo a failed step: the scheduler preempts its requests, the runner forgets their rows."""
         if sched_out is None:
             return
         self.scheduler.rollback_step(sched_out)
         self.runner.rollback(sched_out)
-
-    def _take_events(self) -> list[StreamEvent]:
-        events, self._events = self._events, []
-        return events
-
-    def _flush(self, tracked: _Tracked) -> str:
-        if tracked.detok is not None:
-            return tracked.detok.flush()
-        if self.tokenizer is not None:  # detokenize=False: decode once, at the end
-            return self.tokenizer.decode(tracked.output.token_ids, skip_special_tokens=True)
-        return ""
-
-    def _detokenize(self, tracked: _Tracked, out: RequestOutput) -> tuple[list[int], str, str | None]:
-        """(new tokens kept, new text, the stop string that matched or None)."""
-        new, detok = list(out.new_token_ids), tracked.detok
-        if detok is None or not new:
-            return new, "", None
-        before = detok.num_output_tokens
-        delta = detok.update(new)
-        if delta.stop_string is not None:
-            new = new[: detok.num_output_tokens - before]  # tokens after the stop string are dropped
-        return new, delta.text, delta.stop_string
-
-    def _apply(self, out: RequestOutput) -> None:
-        tracked = self._tracked.get(out.request_id)
-        if tracked is None or tracked.done:
-            return  # e.g. the final output of a request ended by a stop string, reported late
-        new, text, stop = self._detokenize(tracked, out)  # raising: _apply_all fails this request alone
-        result = tracked.output
-        if stop is not None and not out.finished:  # ends it now (frees its blocks); not counted as an abort
-            self.scheduler.finish_request(out.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-        if out.logprobs is not None:
-            result.logprobs = (result.logprobs or []) + list(out.logprobs)[: len(new)]
-        result.token_ids += new
-        if stop is not None:
-            metrics = out.metrics or tracked.request.metrics()
-            n = len(result.token_ids)
-            metrics = replace(metrics, finish_reason="stop", num_output_tokens=n, token_times=metrics.token_times[:n])
-            self._finish(tracked, "stop", metrics, new, text, stop_reason=stop)
-        elif out.finished:
-            text += self._flush(tracked)
-            self._finish(tracked, out.finish_reason, out.metrics, new, text, stop_reason=out.stop_reason,
-                         error=out.error)
-        else:
-            result.text += text
-            self._events.append(StreamEvent(out.request_id, result.index, new, text))
-
-    def _finish(self, tracked: _Tracked, reason: str, metrics: RequestMetrics | None, new: list[int], text: str,
-                *, stop_reason: Any = None, error: str | None = None) -> None:
-        result = tracked.output
-        result.text += text
-        result.finish_reason, result.stop_reason, result.error, result.metrics = reason, stop_reason, error, metrics
-        tracked.done = True
-        self.runner.remove_request(result.request_id)  # its row and draft blocks, now rather than next step
-        self.structured.remove_request(result.request_id)
-        if metrics is not None:
-            self._recorder.record_request(metrics, error)
-        self._events.append(StreamEvent(result.request_id, result.index, new, text, True, reason, error))
 
     # ---- metrics -------------------------------------------------------------------
 
@@ -499,15 +418,27 @@ class Pipeline:
         return rids
 
     def _end_run(self, rids: list[str]) -> None:
-        self._apply_all(self._take_pending())
-        for rid in rids:  # anything still running (an exception, a stream closed early) is aborted
+        """Every request of the run ends (anything still running — an exception,
+        a stream closed early — is aborted), even if an interrupt arrives
+        meanwhile; the first interrupt is re-raised once all have ended."""
+        interrupted: BaseException | None = None
+        try:
+            self._apply_all(self._take_pending())
+        except BaseException as exc:
+            interrupted = exc
+        for rid in rids:
             tracked = self._tracked.get(rid)
             if tracked is not None and not tracked.done:
-                self.abort_request(rid)
+                try:
+                    self.abort_request(rid)
+                except BaseException as exc:
+                    interrupted = interrupted or exc
         self.last_outputs = [self._tracked.pop(rid).output for rid in rids if rid in self._tracked]
         ours = set(rids)
         self._events = [e for e in self._events if e.request_id not in ours]
         self.last_run_metrics = self.run_metrics()
+        if interrupted is not None:
+            raise interrupted
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -20,6 +20,11 @@ Each step then builds, vectorised over the batch (numpy on the host):
 - ``block_table`` int32 ``[B, max_blocks_this_step]`` (rows of the persistent
   table), ``seq_lens = c + n``, ``query_start_loc`` int32 ``[B + 1]``.
 
+A model whose layers are in several KV-cache groups (Gemma 2's sliding and
+full layers) runs on :class:`~servelab.pipeline.hybrid.HybridModelRunner`,
+which overrides only the table handling and :meth:`ModelRunner._attention_metadata`
+(one table and one metadata per group); this class is the single-group path.
+
 Logits are computed only where a token is sampled: the last scheduled
 position of each request whose computation reaches its last known token (a
 chunked prefill still short of the end samples nothing), or, when drafts are
@@ -72,6 +77,8 @@ class CachedRequestState:
     row: int = -1
     """Row of the persistent block table; -1 while preempted."""
     num_blocks: int = 0
+    group_blocks: list[int] | None = None
+    """Blocks in each KV-cache group's row (:class:`~servelab.pipeline.hybrid.HybridModelRunner`)."""
     draft_probs: torch.Tensor | None = None
     """Draft distributions ``[k, draft_vocab]`` of the drafts proposed last step (draft model)."""
     stop_ids: frozenset[int] = field(default_factory=frozenset)
@@ -251,21 +258,27 @@ class ModelRunner(SamplingSteps):
         np.cumsum(qlen, out=qsl[1:])
         seq = np.repeat(np.arange(num), qlen)
         positions = np.arange(qsl[-1]) - qsl[:-1][seq] + ctx[seq]
+        meta = self._attention_metadata(rows, seq, positions, ctx + qlen, qsl)
+        device = self.device
+        if device.type != "cpu":
+            meta = meta.to(device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        return input_ids, torch.from_numpy(positions).to(device), meta, qsl[1:].tolist()
+
+    def _attention_metadata(self, rows: np.ndarray, seq: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                            qsl: np.ndarray) -> AttentionMetadata:
+        """Host metadata from the batch's table ``rows`` ``[B]``, each token's
+        sequence ``seq`` and position ``[T]``, ``seq_lens`` ``[B]`` and
+        ``query_start_loc`` ``[B + 1]`` (int64 numpy arrays)."""
         bs = self.block_size
         slots = self._bt[rows[seq], positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = ctx + qlen
         width = int(-(-seq_lens.max() // bs))
-        device = self.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.from_numpy(slots),
             block_table=self.block_table[torch.from_numpy(rows)][:, :width],
             seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
             query_start_loc=torch.from_numpy(qsl).to(torch.int32),
         )
-        if device.type != "cpu":
-            meta = meta.to(device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        return input_ids, torch.from_numpy(positions).to(device), meta, qsl[1:].tolist()
 
     def _metadata(self, states: list[CachedRequestState], outputs: list[list[int]]) -> SamplingMetadata:
         # Prompts only matter to penalties; skipping them otherwise saves a

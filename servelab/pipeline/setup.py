@@ -80,11 +80,18 @@ def resolve_max_model_len(config: PipelineConfig, model: Any, manager: Any = Non
 
 def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: int) -> Any:
     """A :class:`~servelab.blocks.KVCacheManager` sized by the config (see
-    :mod:`servelab.pipeline.sizing` for the default pool size)."""
+    :mod:`servelab.pipeline.sizing` for the default pool size), or, with
+    ``kv_cache_groups="auto"`` and layers of different kinds, a
+    :class:`~servelab.blocks.HybridKVCacheManager` (see :mod:`servelab.pipeline.hybrid`)."""
     from servelab.blocks import KVCacheManager
     from servelab.models import kv_cache_spec
+    from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, wants_kv_cache_groups
 
     cache = config.cache
+    if wants_kv_cache_groups(cache.kv_cache_groups, model):
+        return build_hybrid_kv_cache_manager(cache, model, max_model_len,
+                                             max_num_seqs=config.scheduler.max_num_seqs,
+                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
     spec = kv_cache_spec(model, cache.block_size, model.dtype)
     num_blocks = cache.num_blocks
     if num_blocks is None:
@@ -105,6 +112,12 @@ def check_manager(manager: Any, model: Any) -> None:
     if missing:
         raise TypeError(f"kv_cache_manager {type(manager).__name__} lacks {', '.join(missing)} (the KV cache "
                         "manager interface the scheduler and the pipeline use)")
+    groups = getattr(manager, "groups", None)
+    if groups is not None:  # a HybridKVCacheManager (any number of groups)
+        from servelab.pipeline.hybrid import check_groups_fit
+
+        check_groups_fit(groups, model)
+        return
     cfg = model.config
     spec = manager.spec
     want = (cfg.num_key_value_heads, cfg.head_dim)

@@ -1,6 +1,6 @@
 """Reference rejection sampler for speculative decoding (vectorised PyTorch).
 
-Contract (``servelab`` DESIGN, Samplers), shared with the Triton kernel:
+Contract (the sampler layer's verification contract), shared with the Triton kernel:
 
 - ``draft_token_ids`` int ``[sum(k_i)]``: request *i* owns ``k_i =
   num_draft_tokens[i]`` consecutive entries (``k_i`` may be 0).

@@ -1,6 +1,6 @@
 """The ``Sampler``: logits in, one token per request out, in a fixed order.
 
-The order is the semantics (DESIGN, Samplers):
+The order is the semantics:
 
 1. snapshot raw logprobs (if any request asks for logprobs);
 2. float32;

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from servelab.blocks.interfaces import KVCacheManagerProtocol

@@ -107,3 +107,74 @@ def test_plan_splits_decodes_from_prefills_and_refuses_other_metadata():
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="plan was made for"):
         sdpa_attention(*case.args(), plan=plan, sliding_window=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(2, 40), st.integers(0, 40)), min_size=1, max_size=7),
+       overhead=st.sampled_from([0, 50, 400, 10**6]))
+def test_bucket_sequences_is_the_cheapest_partition_of_the_sorted_order(lens, overhead):
+    """The dynamic program against every cut of the sorted sequences (brute force)."""
+    import itertools
+
+    from servelab.attention.sdpa import bucket_sequences
+
+    q_lens = [q for q, _ in lens]
+    kv_lens = [q + extra for q, extra in lens]
+
+    def cost(buckets):
+        return sum(overhead + len(b) * max(q_lens[i] for i in b) * max(kv_lens[i] for i in b) for b in buckets)
+
+    buckets = bucket_sequences(q_lens, kv_lens, overhead=overhead)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lens)))
+    order = sorted(range(len(lens)), key=lambda i: (kv_lens[i], q_lens[i]))
+    best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))])
+               for r in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), r))
+    assert cost(buckets) == best
+    if overhead == 0:
+        assert all(len({(q_lens[i], kv_lens[i]) for i in b}) == 1 for b in buckets)  # no padding left
+    if overhead == 10**6:
+        assert len(buckets) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems(), overhead=st.sampled_from([0, 30]))
+def test_prefill_buckets_causal_groups_and_decode_steps_match_reference(problem, overhead):
+    """Many small buckets (overheads 0: one per distinct length, decodes too),
+    including the mask-free ``is_causal`` groups of fresh prompts, and the
+    gather-free path of a pure decode step, give the reference's result."""
+    import servelab.attention.sdpa as sdpa
+
+    case, options = problem
+    expected = reference_attention(*case.args(), **options)
+    saved = sdpa.BUCKET_OVERHEAD, sdpa.DECODE_BUCKET_OVERHEAD
+    try:
+        sdpa.BUCKET_OVERHEAD = sdpa.DECODE_BUCKET_OVERHEAD = overhead
+        out = torch.full_like(case.query, float("nan"))
+        actual = sdpa_attention(*case.args(), out=out, **options)
+    finally:
+        sdpa.BUCKET_OVERHEAD, sdpa.DECODE_BUCKET_OVERHEAD = saved
+    assert actual is out and not torch.isnan(actual).any()
+    rtol, atol = TOLERANCES[case.query.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+def test_fresh_prompts_use_is_causal_and_pure_decode_skips_the_gather():
+    from servelab.attention.sdpa import plan_attention
+
+    fresh = build_case([3, 9, 4], [3, 9, 4], num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                       dtype=torch.float32)
+    plan = plan_attention(fresh.block_table, fresh.seq_lens, fresh.query_start_loc, block_size=4)
+    assert all(g.is_causal and g.mask(torch.float32) is None for g in plan.groups)
+    windowed = plan_attention(fresh.block_table, fresh.seq_lens, fresh.query_start_loc, block_size=4,
+                              sliding_window=2)
+    assert not any(g.is_causal for g in windowed.groups)
+    chunk = build_case([3, 9], [5, 9], num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                       dtype=torch.float32)
+    mixed = plan_attention(chunk.block_table, chunk.seq_lens, chunk.query_start_loc, block_size=4)
+    assert [g.is_causal for g in mixed.groups] in ([False], [False, True])
+    decode = build_case([1, 1, 1], [7, 2, 12], num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4,
+                        dtype=torch.float64)
+    plan = plan_attention(decode.block_table, decode.seq_lens, decode.query_start_loc, block_size=4)
+    assert len(plan.groups) == 1 and plan.groups[0].identity
+    torch.testing.assert_close(sdpa_attention(*decode.args(), plan=plan), reference_attention(*decode.args()),
+                               rtol=1e-12, atol=1e-12)

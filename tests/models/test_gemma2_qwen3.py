@@ -103,7 +103,7 @@ def test_gemma2_refuses_what_it_cannot_run(tmp_path):
 @pytest.mark.parametrize("setting", [
     dict(),  # defaults: auto backend (torch for Gemma 2: sdpa cannot softcap)
     dict(enable_prefix_caching=True, block_size=4, num_blocks=10, max_num_batched_tokens=16),
-])
+])  # kv_cache_groups="uniform" below; the hybrid path: tests/models/test_hybrid_pipeline.py
 def test_pipeline_runs_gemma2_token_exact(ckpt, setting):
     """The pipeline with one uniform full-attention KV group (sliding layers
     apply their window as a mask): prefix caching on, a pool small enough to
@@ -113,7 +113,7 @@ def test_pipeline_runs_gemma2_token_exact(ckpt, setting):
     arch, model, config, hf = ckpt
     base = random_prompts([13], config.vocab_size, seed=3)[0]
     prompts = [base + random_prompts([n], config.vocab_size, seed=4 + n)[0][1:] for n in (5, 9, 2)] + [base[:9]]
-    pipe = Pipeline(model, config=None, **setting)
+    pipe = Pipeline(model, config=None, kv_cache_groups="uniform", **setting)
     outs = pipe.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():

@@ -100,6 +100,8 @@ def test_allocate_kv_caches_and_layouts(checkpoints):
     model = checkpoints["llama"].model
     caches = allocate_kv_caches(model, num_blocks=10, block_size=4)
     assert isinstance(caches, KVCacheBuffers) and len(caches.views) == 2
+    assert all(float(t[0].abs().sum()) == 0 for layer in caches.views for t in layer)  # null block zeroed
+    caches.buffer.zero_()  # the rest is uninitialized: zero it to see exactly which slots get written
     key, value = caches.views[1]
     assert key.shape == value.shape == (10, 4, 2, 16) and key.dtype == torch.float32
     ids, pos, meta = prepare_inputs([[1, 9, 8, 7, 6], [1, 4]], [0, 0], [[3, 7], [5]], 4)

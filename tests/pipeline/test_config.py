@@ -25,7 +25,8 @@ def test_top_level_imports_are_lazy_and_complete():
 _VALUES = {
     "block_size": st.integers(1, 64), "num_blocks": st.none() | st.integers(2, 10_000),
     "enable_prefix_caching": st.booleans(), "kv_cache_memory_bytes": st.none() | st.integers(1, 1 << 40),
-    "eviction_policy": st.sampled_from(["lru", "lfu"]), "policy": st.sampled_from(["fcfs", "sjf", "vtc"]),
+    "eviction_policy": st.sampled_from(["lru", "lfu"]), "kv_cache_groups": st.sampled_from(["auto", "uniform"]),
+    "policy": st.sampled_from(["fcfs", "sjf", "vtc"]),
     "max_num_seqs": st.integers(1, 512), "max_num_batched_tokens": st.integers(1, 8192),
     "long_prefill_token_threshold": st.integers(0, 64), "max_model_len": st.none() | st.integers(1, 1 << 15),
     "enable_chunked_prefill": st.just(True), "verifier": st.sampled_from(["rejection", "typical", "tree"]),
@@ -64,6 +65,8 @@ def test_flat_settings_round_trip(data):
     (dict(kv_cache_memory_bytes=-5), ValueError, ["kv_cache_memory_bytes=-5", ">= 1"]),
     (dict(kv_cache_memory_bytes=2.5), TypeError, ["kv_cache_memory_bytes=2.5"]),
     (dict(block_size=0), ValueError, ["block_size=0"]),
+    (dict(kv_cache_groups="hybrid"), ValueError, ["kv_cache_groups='hybrid'", "'auto', 'uniform'"]),
+    (dict(kv_cache_groups=2), TypeError, ["kv_cache_groups=2"]),
     (dict(num_blocks=1), ValueError, ["num_blocks=1", ">= 2"]),
     (dict(max_num_seqs=True), TypeError, ["max_num_seqs=True"]),
     (dict(enable_prefix_caching=1), TypeError, ["enable_prefix_caching", "bool"]),

@@ -1,0 +1,243 @@
+"""Models whose layers need different caches, in the pipeline: one KV-cache
+group per kind of layer (:class:`~servelab.blocks.HybridKVCacheManager`).
+
+Gemma 2 alternates sliding-window and full-attention layers; a Qwen2 config
+with ``use_sliding_window`` / ``max_window_layers`` slides on its upper
+layers. With ``kv_cache_groups="auto"`` (the default,
+:class:`~servelab.config.CacheConfig`) such a model gets:
+
+- **groups** (:func:`layer_kv_cache_specs` + ``make_kv_cache_groups``): the
+  layers of each kind (full attention; each distinct window) form groups of
+  equal layer count, and every group has its own block table per request.
+  Sliding groups hand back the blocks that fell out of their window while
+  the request runs, and need only the window's blocks for a prefix hit.
+- **one shared buffer** (:func:`allocate_group_kv_caches`): a pool block id
+  is one page in each of ``group_size`` layer tensors, and tensor ``j`` is
+  shared by the ``j``-th layer of every group (a block belongs to one group
+  at a time, so they never collide): ``num_blocks * page_size_bytes *
+  group_size`` bytes whatever the mix. The default pool size
+  (:func:`default_num_blocks_hybrid`) spends the same bytes as the uniform
+  cache would.
+- **per-group step metadata** (:class:`HybridModelRunner`): one persistent
+  block table per group; each step a slot mapping and a block table per
+  group, handed to the model as a
+  :class:`~servelab.models.GroupedAttentionMetadata` in which layer ``i``
+  reads its own group's (``KVCacheGroup.layer_indices``).
+
+Block ids cross the scheduler as a tuple of per-group lists
+(:class:`~servelab.scheduling.output.NewRequestData`). A single-group model
+never comes here: :class:`~servelab.pipeline.runner.ModelRunner` and the
+plain :class:`~servelab.blocks.KVCacheManager` run it exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from servelab.blocks import (
+    FullAttentionSpec,
+    HybridKVCacheManager,
+    KVCacheBuffers,
+    KVCacheGroup,
+    SlidingWindowSpec,
+    allocate_kv_cache,
+    layer_views,
+    make_kv_cache_groups,
+)
+from servelab.models import GroupedAttentionMetadata
+from servelab.models.metadata import AttentionMetadata
+from servelab.pipeline.runner import CachedRequestState, ModelRunner
+from servelab.pipeline.sizing import default_num_blocks
+
+__all__ = ["HybridModelRunner", "allocate_group_kv_caches", "build_hybrid_kv_cache_manager",
+           "default_num_blocks_hybrid", "layer_kv_cache_specs", "wants_kv_cache_groups"]
+
+
+def layer_kv_cache_specs(model: Any, block_size: int, dtype: torch.dtype) -> list[Any]:
+    """Per model layer its spec: ``SlidingWindowSpec`` for a layer with a window
+    (``ModelConfig.sliding_windows``), ``FullAttentionSpec`` otherwise."""
+    cfg = model.config
+    common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim, dtype=dtype)
+    return [FullAttentionSpec(**common) if w is None else SlidingWindowSpec(sliding_window=w, **common)
+            for w in cfg.sliding_windows]
+
+
+def wants_kv_cache_groups(setting: str, model: Any) -> bool:
+    """True when ``kv_cache_groups=setting`` gives ``model`` several groups:
+    ``"auto"`` and layers of different kinds (windows)."""
+    return setting == "auto" and len(set(getattr(model.config, "sliding_windows", (None,)))) > 1
+
+
+def default_num_blocks_hybrid(groups: Sequence[KVCacheGroup], num_layers: int, **sizing: Any) -> int:
+    """The default pool for ``groups``: the bytes the uniform rule
+    (:func:`~servelab.pipeline.sizing.default_num_blocks` over all
+    ``num_layers`` layers) would spend, as blocks of ``group_size`` pages:
+    ``(n - 1) * num_groups + 1`` for the uniform ``n``."""
+    uniform = default_num_blocks(groups[0].spec, num_layers, **sizing)
+    return (uniform - 1) * len(groups) + 1
+
+
+def build_hybrid_kv_cache_manager(cache: Any, model: Any, max_model_len: int, *, max_num_seqs: int,
+                                  num_speculative_tokens: int) -> HybridKVCacheManager:
+    """A :class:`~servelab.blocks.HybridKVCacheManager` for ``model``'s layer kinds,
+    sized by ``cache`` (a :class:`~servelab.config.CacheConfig`)."""
+    groups = make_kv_cache_groups(layer_kv_cache_specs(model, cache.block_size, model.dtype))
+    num_blocks = cache.num_blocks
+    if num_blocks is None:
+        num_blocks = default_num_blocks_hybrid(
+            groups, model.config.num_hidden_layers, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            num_speculative_tokens=num_speculative_tokens, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+            model=model, device=model.device)
+    return HybridKVCacheManager(groups, num_blocks, cache.enable_prefix_caching, max_model_len=max_model_len,
+                                eviction_policy=cache.eviction_policy)
+
+
+def check_groups_fit(groups: Sequence[KVCacheGroup], model: Any) -> None:
+    """Every model layer in exactly one group, whose spec has the model's KV heads and head size."""
+    cfg = model.config
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        spec = group.spec
+        if (getattr(spec, "num_kv_heads", None), getattr(spec, "head_size", None)) != (
+                cfg.num_key_value_heads, cfg.head_dim):
+            raise ValueError(f"kv_cache_manager.groups[{g}].spec {spec!r} does not fit the model: it needs "
+                             f"num_kv_heads={cfg.num_key_value_heads}, head_size={cfg.head_dim}")
+        for layer in group.layer_indices:
+            if layer in owner or not 0 <= layer < cfg.num_hidden_layers:
+                raise ValueError(f"kv_cache_manager.groups[{g}] lists layer {layer}, which is out of range or "
+                                 f"already in group {owner.get(layer)}")
+            owner[layer] = g
+            # A group may keep more than a layer sees (full attention for a sliding layer), never less.
+            need, keep = cfg.sliding_windows[layer], getattr(spec, "sliding_window", None)
+            if keep is not None and (need is None or keep < need):
+                raise ValueError(f"kv_cache_manager.groups[{g}] keeps a window of {keep} tokens but layer {layer} "
+                                 f"attends to {'every token' if need is None else f'{need} tokens'}")
+    if len(owner) != cfg.num_hidden_layers:
+        missing = sorted(set(range(cfg.num_hidden_layers)) - set(owner))
+        raise ValueError(f"kv_cache_manager.groups leave layers {missing} without a group (KVCacheGroup.layer_indices)")
+
+
+def allocate_group_kv_caches(groups: Sequence[KVCacheGroup], num_layers: int, num_blocks: int, *,
+                             device: torch.device | str = "cpu") -> KVCacheBuffers:
+    """One buffer of ``group_size`` layer tensors of ``num_blocks`` pages, viewed
+    per model layer: layer ``groups[g].layer_indices[j]`` gets tensor ``j``
+    through group ``g``'s spec (its ``(key_cache, value_cache)``
+    ``[num_blocks, block_size_g, H, D]``). Pages must be equal (the
+    hybrid manager's rule).
+
+    Not zero-filled (the null block 0 is), as the single-group cache. A
+    sliding group's table row keeps the ids of blocks its window released
+    (the scheduler reports no releases), and another request may own them
+    meanwhile, not yet written; that is safe because the attention backends
+    never let a slot outside the window reach a result (masked loads or
+    ``where``, not ``0 * value``), which the tests check by filling every
+    block but the null one with NaN."""
+    pages = {g.spec.page_size_bytes for g in groups}
+    if len(pages) != 1:
+        raise ValueError(f"KV-cache groups have pages of {sorted(pages)} bytes; one shared buffer needs equal pages")
+    group_size = max(len(g.layer_indices) for g in groups)
+    first = groups[0].spec
+    buffers = allocate_kv_cache(first, group_size, num_blocks, device=device, zero_fill=False)
+    views: list[Any] = [None] * num_layers
+    for group in groups:
+        same = group.spec.block_size == first.block_size
+        tensors = buffers.views if same else layer_views(buffers.buffer, group.spec, group_size, num_blocks)
+        for j, layer in enumerate(group.layer_indices):
+            views[layer] = tensors[j]
+    if any(v is None for v in views):
+        raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} are in no KV-cache group")
+    return KVCacheBuffers(buffers.buffer, views, buffers.layout, buffers.kernel_block_size)
+
+
+class HybridModelRunner(ModelRunner):
+    """A :class:`~servelab.pipeline.runner.ModelRunner` over several KV-cache groups.
+
+    Args:
+        groups: the manager's :class:`~servelab.blocks.KVCacheGroup` objects
+            (``layer_indices`` cover the model's layers).
+        everything else: as ``ModelRunner``; ``block_size`` is the manager's
+            (hash) block size, each group uses its own spec's.
+
+    Block ids arrive as a tuple of per-group lists. Each group has its own
+    persistent table ``block_tables[g]`` int32 ``[max_reqs, max_blocks_g]``
+    (rows shared: a request has the same row in every table), and each step
+    builds per group ``slot_mapping`` int64 ``[T]`` and ``block_table``
+    int32 ``[B, width_g]``; ``seq_lens`` / ``query_start_loc`` are shared.
+    A sliding group's released blocks stay in its row (the scheduler reports
+    no releases; the window mask never reads them).
+    """
+
+    def __init__(self, model: Any, kv_caches: Any, block_size: int, *, groups: Sequence[KVCacheGroup],
+                 max_model_len: int, **kwargs: Any) -> None:
+        super().__init__(model, kv_caches, block_size, max_model_len=max_model_len, **kwargs)
+        self.groups = tuple(groups)
+        self.group_block_sizes = tuple(g.spec.block_size for g in self.groups)
+        layer_groups = [-1] * model.config.num_hidden_layers
+        for g, group in enumerate(self.groups):
+            for layer in group.layer_indices:
+                layer_groups[layer] = g
+        self.layer_groups = tuple(layer_groups)
+        rows = self.block_table.shape[0]
+        self.block_tables = [torch.zeros((rows, -(-max_model_len // bs)), dtype=torch.int32)
+                             for bs in self.group_block_sizes]
+        self._bts = [t.numpy() for t in self.block_tables]
+        self.block_table = self.block_tables[0]  # what single-table readers see
+        self._bt = self._bts[0]
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old_rows = self.block_tables[0].shape[0]
+            for g, old in enumerate(self.block_tables):
+                grown = torch.zeros((2 * old_rows, old.shape[1]), dtype=torch.int32)
+                grown[:old_rows] = old
+                self.block_tables[g], self._bts[g] = grown, grown.numpy()
+            self.block_table, self._bt = self.block_tables[0], self._bts[0]
+            self._free_rows = list(range(2 * old_rows - 1, old_rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _set_blocks(self, state: CachedRequestState, block_ids: Any, append: bool) -> None:
+        if not block_ids:  # nothing new in any group
+            if not append:
+                state.group_blocks = [0] * len(self.groups)
+            return
+        if len(block_ids) != len(self.groups) or isinstance(block_ids[0], int):
+            raise RuntimeError(f"request {state.req_id!r}: block ids {block_ids!r} are not one list per KV-cache "
+                               f"group ({len(self.groups)}); is the scheduler's manager the hybrid one?")
+        counts = state.group_blocks if append and state.group_blocks is not None else [0] * len(self.groups)
+        for g, ids in enumerate(block_ids):
+            start = counts[g]
+            if start + len(ids) > self._bts[g].shape[1]:
+                grown = torch.zeros((self._bts[g].shape[0], start + len(ids)), dtype=torch.int32)
+                grown[:, : self._bts[g].shape[1]] = self.block_tables[g]
+                self.block_tables[g], self._bts[g] = grown, grown.numpy()
+            if len(ids):
+                self._bts[g][state.row, start:start + len(ids)] = ids
+            counts[g] = start + len(ids)
+        state.group_blocks = counts
+        state.num_blocks = counts[0]
+        self.block_table, self._bt = self.block_tables[0], self._bts[0]
+
+    def _detach(self, req_id: str) -> CachedRequestState | None:
+        state = super()._detach(req_id)
+        if state is not None and state.row < 0:
+            state.group_blocks = None
+        return state
+
+    def _attention_metadata(self, rows: np.ndarray, seq: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                            qsl: np.ndarray) -> GroupedAttentionMetadata:
+        token_rows = rows[seq]
+        rows_t = torch.from_numpy(rows)
+        seq_lens_t = torch.from_numpy(seq_lens).to(torch.int32)
+        qsl_t = torch.from_numpy(qsl).to(torch.int32)
+        longest = int(seq_lens.max())
+        metas = []
+        for g, bs in enumerate(self.group_block_sizes):
+            slots = self._bts[g][token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots),
+                                           block_table=self.block_tables[g][rows_t][:, : -(-longest // bs)],
+                                           seq_lens=seq_lens_t, query_start_loc=qsl_t))
+        return GroupedAttentionMetadata(tuple(metas), self.layer_groups, self.group_block_sizes)
