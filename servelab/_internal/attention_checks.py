@@ -91,12 +91,27 @@ def check_paged_attention_args(
         "query": query, "key_cache": key_cache, "value_cache": value_cache,
         "block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
     }
+    _check_query_and_caches(query, key_cache, value_cache, tensors)
+    num_tokens, head_size = query.shape[0], query.shape[2]
+    num_seqs = _check_batch_layout(tensors, out)
+    _check_options(causal, sliding_window, softcap, num_splits)
+    resolved_scale = 1.0 / math.sqrt(head_size) if scale is None else _positive_finite("scale", scale)
+
+    if check_values and num_seqs > 0:
+        _check_batch_values(query, key_cache, block_table, seq_lens, query_start_loc)
+    elif check_values and num_tokens != 0:
+        raise ValueError(f"query has {num_tokens} tokens but the batch has no sequences")
+    return resolved_scale
+
+
+def _check_query_and_caches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            tensors: dict[str, object]) -> None:
+    """Every argument a tensor; query ``[T, Hq, D]`` and the two caches ``[N, B, Hkv, D]`` agree."""
     for name, value in tensors.items():
         _require_tensor(name, value)
     _require_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     _require_dtype("query", query, ATTENTION_DTYPES)
-    for name in ("key_cache", "value_cache"):
-        cache = tensors[name]
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
         if cache.dtype != query.dtype:
             raise ValueError(f"{name} dtype {cache.dtype} must equal query dtype {query.dtype}")
@@ -105,8 +120,8 @@ def check_paged_attention_args(
             f"value_cache shape {tuple(value_cache.shape)} must equal key_cache shape "
             f"{tuple(key_cache.shape)}"
         )
-    num_tokens, num_q_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_size = key_cache.shape
+    num_q_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads, cache_head_size = key_cache.shape[1:]
     if cache_head_size != head_size:
         raise ValueError(
             f"key_cache head_size {cache_head_size} must equal query head_size {head_size}"
@@ -119,6 +134,10 @@ def check_paged_attention_args(
     if head_size == 0 or block_size == 0:
         raise ValueError(f"head_size and block_size must be > 0, got {head_size} and {block_size}")
 
+
+def _check_batch_layout(tensors: dict[str, torch.Tensor], out: torch.Tensor | None) -> int:
+    """``block_table`` / ``seq_lens`` / ``query_start_loc`` shapes, dtypes and devices, and
+    ``out``; returns the number of sequences."""
     for name, ndim, layout in (
         ("block_table", 2, "[num_seqs, max_blocks_per_seq]"),
         ("seq_lens", 1, "[num_seqs]"),
@@ -126,18 +145,18 @@ def check_paged_attention_args(
     ):
         _require_ndim(name, tensors[name], ndim, layout)
         _require_dtype(name, tensors[name], (torch.int32,))
-    num_seqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_seqs + 1:
+    num_seqs = tensors["seq_lens"].shape[0]
+    if tensors["query_start_loc"].shape[0] != num_seqs + 1:
         raise ValueError(
             f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
-            f"got {query_start_loc.shape[0]}"
+            f"got {tensors['query_start_loc'].shape[0]}"
         )
-    if block_table.shape[0] != num_seqs:
+    if tensors["block_table"].shape[0] != num_seqs:
         raise ValueError(
-            f"block_table must have one row per sequence ({num_seqs}), got {block_table.shape[0]}"
+            f"block_table must have one row per sequence ({num_seqs}), got {tensors['block_table'].shape[0]}"
         )
+    query = tensors["query"]
     _require_same_device("query", query, **{k: v for k, v in tensors.items() if k != "query"})
-
     if out is not None:
         _require_tensor("out", out)
         if out.shape != query.shape or out.dtype != query.dtype:
@@ -146,7 +165,11 @@ def check_paged_attention_args(
                 f"got shape {tuple(out.shape)} dtype {out.dtype}"
             )
         _require_same_device("query", query, out=out)
+    return num_seqs
 
+
+def _check_options(causal: object, sliding_window: object, softcap: object, num_splits: object) -> None:
+    """The keyword options: types and ranges."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if sliding_window is not None:
@@ -161,13 +184,6 @@ def check_paged_attention_args(
             raise TypeError(f"num_splits must be an int or None, got {num_splits!r}")
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 (or None for the heuristic), got {num_splits}")
-    resolved_scale = 1.0 / math.sqrt(head_size) if scale is None else _positive_finite("scale", scale)
-
-    if check_values and num_seqs > 0:
-        _check_batch_values(query, key_cache, block_table, seq_lens, query_start_loc)
-    elif check_values and num_tokens != 0:
-        raise ValueError(f"query has {num_tokens} tokens but the batch has no sequences")
-    return resolved_scale
 
 
 def _check_batch_values(

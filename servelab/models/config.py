@@ -137,33 +137,8 @@ class ModelConfig:
             raise ValueError(
                 f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        expected = SUPPORTED_ARCHITECTURES[model_type]
-        for name in getattr(hf, "architectures", None) or []:
-            if name != expected:
-                raise ValueError(
-                    f"architectures={hf.architectures!r} is not supported for model_type={model_type!r}; "
-                    f"expected [{expected!r}]"
-                )
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
-        for name, what in _UNSUPPORTED_FIELDS.items():
-            value = getattr(hf, name, None)
-            if value not in (None, 0, False, {}, []):
-                raise ValueError(f"{name}={value!r} is not supported ({what})")
-        partial = getattr(hf, "partial_rotary_factor", None)
-        rope = _rope_dict(hf)
-        partial = rope.get("partial_rotary_factor", partial)
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"partial_rotary_factor={partial!r} is not supported; only 1.0 (full rotary)")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_type={rope_type!r} (rope_parameters/rope_scaling) is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
-        theta = 10000.0 if theta is None else float(theta)
+        _check_supported_features(hf, model_type)
+        rope_type, theta = _rope_type_and_theta(hf)
 
         hidden, heads = _pos_int(hf, "hidden_size"), _pos_int(hf, "num_attention_heads")
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
@@ -176,19 +151,7 @@ class ModelConfig:
             raise ValueError(f"head_dim={head_dim!r} must be a positive even integer (RoPE rotates pairs)")
         num_layers = _pos_int(hf, "num_hidden_layers")
 
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        mlp_bias = bool(getattr(hf, "mlp_bias", False))
-        if model_type == "llama":
-            qkv_bias = o_bias = attention_bias
-        elif model_type == "qwen2":
-            qkv_bias, o_bias = True, False  # Qwen2 always biases q/k/v, never o
-            if mlp_bias:
-                raise ValueError(f"mlp_bias={mlp_bias!r} is not supported for model_type='qwen2'")
-        else:
-            qkv_bias = o_bias = False
-            for name, value in (("attention_bias", attention_bias), ("mlp_bias", mlp_bias)):
-                if value:
-                    raise ValueError(f"{name}={value!r} is not supported for model_type='mistral'")
+        qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
 
         windows = _sliding_windows(hf, model_type, num_layers)
         vocab_size = _pos_int(hf, "vocab_size")
@@ -225,6 +188,56 @@ class ModelConfig:
             hf_config=hf,
             generation_defaults=MappingProxyType(defaults),
         )
+
+
+def _check_supported_features(hf: Any, model_type: str) -> None:
+    """``ValueError`` naming the first field a Llama-family config sets that this decoder lacks."""
+    expected = SUPPORTED_ARCHITECTURES[model_type]
+    for name in getattr(hf, "architectures", None) or []:
+        if name != expected:
+            raise ValueError(
+                f"architectures={hf.architectures!r} is not supported for model_type={model_type!r}; "
+                f"expected [{expected!r}]"
+            )
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")
+    for name, what in _UNSUPPORTED_FIELDS.items():
+        value = getattr(hf, name, None)
+        if value not in (None, 0, False, {}, []):
+            raise ValueError(f"{name}={value!r} is not supported ({what})")
+
+
+def _rope_type_and_theta(hf: Any) -> tuple[str, float]:
+    """The RoPE variant and base (full rotary only); ``ValueError`` for what is not supported."""
+    rope = _rope_dict(hf)
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial!r} is not supported; only 1.0 (full rotary)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} (rope_parameters/rope_scaling) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
+    return rope_type, 10000.0 if theta is None else float(theta)
+
+
+def _biases(hf: Any, model_type: str) -> tuple[bool, bool, bool]:
+    """(q/k/v bias, o bias, MLP bias) by architecture: Qwen2 always biases q/k/v and never o."""
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    mlp_bias = bool(getattr(hf, "mlp_bias", False))
+    if model_type == "llama":
+        return attention_bias, attention_bias, mlp_bias
+    if model_type == "qwen2":
+        if mlp_bias:
+            raise ValueError(f"mlp_bias={mlp_bias!r} is not supported for model_type='qwen2'")
+        return True, False, False
+    for name, value in (("attention_bias", attention_bias), ("mlp_bias", mlp_bias)):
+        if value:
+            raise ValueError(f"{name}={value!r} is not supported for model_type='mistral'")
+    return False, False, False
 
 
 def load_config(path: str | Path) -> ModelConfig:

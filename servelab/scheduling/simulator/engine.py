@@ -107,7 +107,19 @@ def simulate(
     clock = VirtualClock(requests[0].arrival_time if requests else 0.0)
     sched = Scheduler(config, kv, policy_obj, clock=clock)
 
-    # Requests are built up front: their construction is not the scheduler's cost.
+    pending = _build_requests(requests)  # built up front: their construction is not the scheduler's cost
+    wall_start = time.perf_counter()
+    finished, steps, kv_times, kv_usage = _run(sched, kv, pending, clock, cost, max_steps)
+    wall = time.perf_counter() - wall_start
+    name = policy if isinstance(policy, str) else getattr(policy_obj, "name", type(policy_obj).__name__)
+    return SimulationResult(name, finished, steps, sched.num_preemptions, np.asarray(kv_times),
+                            np.asarray(kv_usage), wall, ttft_slo_s, tpot_slo_s,
+                            extra={"num_blocks": num_blocks, "block_size": block_size,
+                                   "rate": getattr(workload, "rate", math.nan)})
+
+
+def _build_requests(requests: Sequence[TraceRequest]) -> list[Request]:
+    """The trace's requests as scheduler ``Request``s, in arrival order (params shared per ``max_tokens``)."""
     params_of: dict[int, SamplingParams] = {}
     pending: list[Request] = []
     for r in sorted(requests, key=lambda r: r.arrival_time):
@@ -116,6 +128,14 @@ def simulate(
             params = params_of[r.max_tokens] = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
         pending.append(Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
                                priority=r.priority, client_id=r.client_id))
+    return pending
+
+
+def _run(sched: Scheduler, kv: KVCacheManager, pending: list[Request], clock: VirtualClock,
+         cost: StepCostModel, max_steps: int | None) -> tuple[list, int, list[float], list[float]]:
+    """The event loop: admit arrivals, step (one fake token per finished
+    computation), advance the virtual clock by the cost model. Returns
+    (finished request metrics, steps, KV-usage times, KV usage)."""
     live = sched.requests
     finished = []
     kv_times, kv_usage = [], []
@@ -123,7 +143,6 @@ def simulate(
     nothing: list[int] = []
     next_arrival, total = 0, len(pending)
     steps = 0
-    wall_start = time.perf_counter()
     while next_arrival < total or live:
         while next_arrival < total and pending[next_arrival].arrival_time <= clock.now:
             request = pending[next_arrival]
@@ -155,12 +174,7 @@ def simulate(
             raise RuntimeError(f"simulation hit max_steps={max_steps} with {len(live)} requests unfinished")
         if not ids and not out.finished_req_ids and live and next_arrival >= total and not sched.running:
             raise RuntimeError("scheduler made no progress with requests pending and none arriving")
-    wall = time.perf_counter() - wall_start
-    name = policy if isinstance(policy, str) else getattr(policy_obj, "name", type(policy_obj).__name__)
-    return SimulationResult(name, finished, steps, sched.num_preemptions, np.asarray(kv_times),
-                            np.asarray(kv_usage), wall, ttft_slo_s, tpot_slo_s,
-                            extra={"num_blocks": num_blocks, "block_size": block_size,
-                                   "rate": getattr(workload, "rate", math.nan)})
+    return finished, steps, kv_times, kv_usage
 
 
 def compare_policies(

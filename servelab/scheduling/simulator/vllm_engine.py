@@ -144,27 +144,10 @@ def simulate_vllm(
             kv_tokens = sum(live[r].num_computed_tokens for r in ids)  # already advanced by schedule()
             now += cost.step_time(out.total_num_scheduled_tokens, kv_tokens)
         elif not sched.running:
-            # Nothing runs and the head of the queue does not fit: it never will (vLLM would wait forever).
-            head = sched.waiting.peek_request() if sched.waiting else None
-            if head is not None:
-                track = tracks[head.request_id]
-                track.error = (f"request {head.request_id!r} cannot fit in the KV cache even alone "
-                               f"({num_blocks} blocks of {block_size} tokens)")
-                sched.finish_requests(head.request_id, VllmStatus.FINISHED_ERROR)
-                track.reason, track.finish = "error", now
-                finished.append(track.metrics(head.num_preemptions))
-        engine_outputs = sched.update_from_output(out, model_output(sched, out, FAKE_TOKEN))
-        for outputs in engine_outputs.values():
-            for o in outputs.outputs:
-                track = tracks[o.request_id]
-                if o.new_token_ids:
-                    if track.first_token is None:
-                        track.first_token = now
-                    track.token_times.extend([now] * len(o.new_token_ids))
-                    track.num_output += len(o.new_token_ids)
-                if o.finish_reason is not None and track.reason is None:
-                    track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
-                    finished.append(track.metrics(by_id[o.request_id].num_preemptions))
+            _fail_unfittable_head(sched, tracks, now, finished, f"{num_blocks} blocks of {block_size} tokens",
+                                  VllmStatus.FINISHED_ERROR)
+        _record_outputs(sched.update_from_output(out, model_output(sched, out, FAKE_TOKEN)), tracks, by_id,
+                        now, finished)
         kv_times.append(now)
         kv_usage.append(sched.get_kv_cache_usage())
         steps += 1
@@ -179,3 +162,30 @@ def simulate_vllm(
                             extra={"num_blocks": num_blocks, "block_size": block_size, "engine": "vllm",
                                    "rate": getattr(workload, "rate", math.nan)})
 
+
+def _fail_unfittable_head(sched, tracks: dict, now: float, finished: list, pool: str, error_status) -> None:
+    """Nothing runs and the head of the queue does not fit: it never will (vLLM would
+    wait forever), so it fails, as servelab's scheduler fails it."""
+    head = sched.waiting.peek_request() if sched.waiting else None
+    if head is None:
+        return
+    track = tracks[head.request_id]
+    track.error = f"request {head.request_id!r} cannot fit in the KV cache even alone ({pool})"
+    sched.finish_requests(head.request_id, error_status)
+    track.reason, track.finish = "error", now
+    finished.append(track.metrics(head.num_preemptions))
+
+
+def _record_outputs(engine_outputs: dict, tracks: dict, by_id: dict, now: float, finished: list) -> None:
+    """Token times and finishes from one ``update_from_output`` of vLLM's scheduler."""
+    for outputs in engine_outputs.values():
+        for o in outputs.outputs:
+            track = tracks[o.request_id]
+            if o.new_token_ids:
+                if track.first_token is None:
+                    track.first_token = now
+                track.token_times.extend([now] * len(o.new_token_ids))
+                track.num_output += len(o.new_token_ids)
+            if o.finish_reason is not None and track.reason is None:
+                track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
+                finished.append(track.metrics(by_id[o.request_id].num_preemptions))
