@@ -26,6 +26,7 @@ from servelab.integrations.vllm._compat import SUPPORTED_VLLM, UnsupportedVLLMVe
 
 VLLM_VERSION = require_vllm()
 
+from servelab.integrations.vllm.from_vllm import from_vllm_logits_processor  # noqa: E402
 from servelab.integrations.vllm.logits import make_logits_processor_cls  # noqa: E402
 from servelab.integrations.vllm.scheduler import PolicyRequestQueue, VllmRequestView, make_scheduler_cls  # noqa: E402
 
@@ -41,5 +42,5 @@ def register_attention_backend(name: str = "CUSTOM") -> str:
 
 __all__ = [
     "PolicyRequestQueue", "SUPPORTED_VLLM", "UnsupportedVLLMVersion", "VLLM_VERSION", "VllmRequestView",
-    "make_logits_processor_cls", "make_scheduler_cls", "register_attention_backend",
+    "from_vllm_logits_processor", "make_logits_processor_cls", "make_scheduler_cls", "register_attention_backend",
 ]
