@@ -107,7 +107,7 @@ def _demo(args: argparse.Namespace) -> int:
     except (*_load_errors(), ImportError, RuntimeError) as exc:  # not a checkpoint, missing extra, offline
         return _fail("demo", _one_line(exc))
     print(f"servelab demo: {args.num_requests} chat requests over 3 shared system prompts on {model}, "
-          f"{args.attention_backend} attention, n-gram speculation with {args.num_speculative_tokens} drafts")
+          f"attention backend {args.attention_backend!r}, n-gram speculation with {args.num_speculative_tokens} drafts")
     print(note + "\n")
     try:
         with warnings.catch_warnings():
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--num-requests", type=_positive_int, default=48)
     demo.add_argument("--max-tokens", type=_positive_int, default=32)
     demo.add_argument("--num-speculative-tokens", type=_non_negative_int, default=2)
-    demo.add_argument("--attention-backend", default="torch", help="torch | triton")
+    demo.add_argument("--attention-backend", default="auto",
+                      help="auto (sdpa on a CPU, triton on CUDA) | torch (the references) | sdpa | triton")
     demo.add_argument("--num-blocks", type=_positive_int, default=48, help="KV pool size (small: shows preemption)")
     demo.add_argument("--threads", type=_non_negative_int, default=1, help="torch threads (0: torch's default)")
     demo.add_argument("--seed", type=int, default=0)

@@ -255,7 +255,7 @@ def demo_prompts(tokenizer, rng: random.Random, num_requests: int) -> list:
 
 
 def run_pipeline_demo(model: Path, out: Path, num_requests: int = 48, max_tokens: int = 32,
-                      num_speculative_tokens: int = 2, attention_backend: str = "torch", num_blocks: int = 48,
+                      num_speculative_tokens: int = 2, attention_backend: str = "auto", num_blocks: int = 48,
                       seed: int = 0):
     """Serve a chat-shaped workload (shared system prompts, through the chat
     template when the tokenizer has one; mixed greedy and seeded sampling,

@@ -57,8 +57,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up, n = self.gate_up_proj(x), self.intermediate_size
+        return self.down_proj(F.silu(gate_up[..., :n]) * gate_up[..., n:])  # slices: cheaper than Tensor.split
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

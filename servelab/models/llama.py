@@ -71,18 +71,34 @@ class _StepAttention:
     layer goes through the public ops (capability gate, argument and value
     checks); every later layer has the same shapes, dtypes and metadata, so it
     calls the backend's implementation directly with ``check_inputs=False``
-    and the step's ``plan``. Any other ops object (the reference module, a
+    and the step's ``plan``. ``check_values=False`` (the model's
+    ``check_inputs=False``, as the pipeline sets it: its runner builds the
+    metadata) passes ``check_inputs=False`` to the first layer too, keeping
+    only the capability gate: the argument checks were ~20% of a small
+    model's decode step. Any other ops object (the reference module, a
     researcher's object) is called with the reference signature every layer.
     """
 
-    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int) -> None:
+    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int, *, check_values: bool = True) -> None:
         from servelab.attention.backends import AttentionBackend
 
         self.ops, self.metadata, self.block_size = ops, metadata, block_size
+        self.check_values = check_values
         self.is_backend = isinstance(ops, AttentionBackend)
         self.plans: dict[int | None, Any] = {}
         self.checked_write = False
         self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and the signed ``sin`` as ``[T, 1, D]`` for :func:`rotate`, built once per step
+        (every layer passes the same ``cos``/``sin`` ``[T, D]``) and reused by the later layers."""
+        cached = self._rope
+        if cached is None or cached[0] is not cos or cached[1] is not sin:
+            half = cos.shape[-1] // 2
+            signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            cached = self._rope = (cos, sin, cos[:, None, :], signed[:, None, :])
+        return cached[2], cached[3]
 
     def reshape_and_cache(self, key, value, key_cache, value_cache) -> None:
         slots = self.metadata.slot_mapping
@@ -90,7 +106,7 @@ class _StepAttention:
             return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
         if self.checked_write:
             return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False)
-        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=self.check_values)
         self.checked_write = True
 
     def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
@@ -108,10 +124,22 @@ class _StepAttention:
         if sliding_window not in self.checked_read:
             self.checked_read.add(sliding_window)
             return self.ops.paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
-                                            **extra)
+                                            check_inputs=self.check_values, **extra)
         return self.ops._paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
                                          softcap=None, out=None, num_splits=None, return_lse=False,
                                          check_inputs=False, **extra)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` ``[T, heads, D]`` with the tables of :meth:`_StepAttention.rope_tables`.
+
+    Bit-identical to :func:`servelab.models.layers.apply_rotary` in four ops
+    instead of nine: ``rotate_half(x) * sin`` is ``cat(-x2, x1) * cat(s1, s2)``,
+    and ``(-x2) * s1 == x2 * (-s1)`` exactly (IEEE rounding is sign-symmetric),
+    so it equals ``roll(x, D/2) * cat(-s1, s2)``; the products and the sum are
+    the same operations in the same order.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def layer_attentions(make: Any, ops: Any, metadata: GroupedAttentionMetadata, *args: Any) -> list[Any]:
@@ -143,10 +171,13 @@ class LlamaAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k rotated in one call (same elementwise ops, so bit-identical to
+        # rotating each): [T, num_heads + num_kv_heads, head_dim], then sliced.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rotate(qk, *attention.rope_tables(cos, sin))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # views (Tensor.split's Python wrapper is slower)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         # Write first: this step's queries attend to this step's keys too.
         attention.reshape_and_cache(k, v, key_cache, value_cache)
@@ -201,7 +232,10 @@ class LlamaForCausalLM(nn.Module):
 
     Attributes:
         check_inputs: when True (default) ``forward`` checks token ids against
-            the vocabulary (one host sync); set False in tight loops.
+            the vocabulary (one host sync) and the first layer's attention
+            checks the metadata (shapes and values: slot and block ranges);
+            set False in tight loops whose metadata is built correctly (the
+            pipeline does).
     """
 
     def __init__(self, config: ModelConfig, attention: Any = None, *,
@@ -277,7 +311,8 @@ class LlamaForCausalLM(nn.Module):
                                                   layer_attentions(_StepAttention, self.attention, attn_metadata)):
                 x = layer(x, cos, sin, kv_cache, attention)
             return self.model.norm(x)
-        attention = _StepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1)
+        attention = _StepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1,
+                                   check_values=self.check_inputs)
         for layer, kv_cache in zip(self.model.layers, caches):
             x = layer(x, cos, sin, kv_cache, attention)
         return self.model.norm(x)

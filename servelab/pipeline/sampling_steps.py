@@ -85,8 +85,19 @@ class SamplingSteps:
 
     def _sample_plain(self, batch, plain: list[int], logits: torch.Tensor, sampled: list[list[int]],
                       logprobs: list[Any], errors: dict[str, str]) -> None:
-        """One token per plain request; ``logits`` fp32 ``[len(plain), V]`` in ``plain`` order."""
+        """One token per plain request; ``logits`` fp32 ``[len(plain), V]`` in ``plain`` order.
+
+        An all-plain-greedy batch takes the sampler's ``greedy_tokens`` shortcut
+        (argmax without building :class:`SamplingMetadata`) when it offers one;
+        it returns exactly what ``forward`` would, or None to take this path.
+        """
         vocab = self.vocab_size
+        shortcut = getattr(self.sampler, "greedy_tokens", None)
+        tokens = shortcut(logits, [batch[i][0].params for i in plain]) if shortcut is not None else None
+        if tokens is not None:
+            for i, token in zip(plain, tokens):
+                sampled[i] = [token]
+            return
 
         def call(positions: list[int]) -> list[Any]:
             states = [batch[plain[p]][0] for p in positions]

@@ -17,7 +17,9 @@ The order is the semantics:
 
 Steps 8 (min-p), 9 and 10 are one fused op, ``top_k_top_p_sample``, from the
 Triton kernels or the PyTorch reference (see :mod:`servelab.samplers.backends`).
-A batch that is all greedy stops after step 6.
+A batch that is all greedy stops after step 6. A batch that is all *plain*
+greedy (see :meth:`Sampler.greedy_tokens`) may skip building the metadata
+altogether: every step above but 6 is then a no-op.
 
 Rows that cannot be sampled never get a made-up token. After step 5 (and,
 for random rows, after step 8) a row whose logits hold NaN or +inf, or whose
@@ -40,7 +42,7 @@ from servelab._internal.sampling_noise import draw_exponential_noise
 from servelab.samplers.backends import check_backend_name, get_sampling_backend
 from servelab.samplers.interfaces import LogprobsOutput, SamplerOutput
 from servelab.samplers.metadata import SamplingMetadata
-from servelab.samplers.params import SAMPLING_EPS
+from servelab.samplers.params import SAMPLING_EPS, SamplingParams
 from servelab.samplers.penalties import apply_penalties
 from servelab.samplers.processors import (
     LogitsProcessor,
@@ -94,6 +96,16 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top:
     )
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """True when ``params`` decodes by plain argmax: greedy, and nothing that changes
+    the logits or asks for more than the token (no logprobs, penalties,
+    ``min_tokens``, ``logit_bias``, whitelist or bad words)."""
+    return (params.temperature < SAMPLING_EPS and params.logprobs is None and params.min_tokens == 0
+            and not params.logit_bias and params.allowed_token_ids is None and not params.bad_words
+            and not params.bad_words_token_ids and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+
+
 class Sampler:
     """Stateless sampler: ``forward(logits, metadata) -> SamplerOutput``.
 
@@ -111,6 +123,7 @@ class Sampler:
         self.backend = check_backend_name(backend)
         for processor in logits_processors:
             check_processor(processor)
+        self.has_custom_processors = bool(logits_processors)
         processors = (*default_processors(), *logits_processors)
         self.argmax_changing = tuple(p for p in processors if not p.argmax_invariant)
         self.argmax_invariant = tuple(p for p in processors if p.argmax_invariant)
@@ -161,6 +174,34 @@ class Sampler:
             if is_active(processor, metadata):
                 logits = processor.apply(logits, metadata)
         return logits
+
+    @property
+    def _stock(self) -> bool:
+        """True when neither the class nor the instance replaces a stage of :meth:`forward`."""
+        cls, own = type(self), vars(self)
+        return all(getattr(cls, name) is getattr(Sampler, name) and name not in own
+                   for name in ("forward", "_check", "_apply_argmax_changing"))
+
+    def greedy_tokens(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int] | None:
+        """The tokens :meth:`forward` would return for all-plain-greedy rows, without metadata.
+
+        ``logits`` float32 ``[R, V]``, ``params`` one per row. Returns None (call
+        :meth:`forward`) unless this sampler has no custom processors, its class
+        overrides none of ``forward``'s stages, and every request is
+        :func:`is_plain_greedy`: then steps 1-5 and 7-12 do nothing
+        and the result is the argmax of each row. Rows holding NaN or +inf, or
+        all -inf, also return None, so :meth:`forward` reports them exactly as
+        usual.
+        """
+        if self.has_custom_processors or not self._stock or logits.dtype != torch.float32 or logits.dim() != 2 \
+                or logits.shape[0] != len(params) or not all(map(is_plain_greedy, params)):
+            return None
+        tokens = logits.argmax(dim=-1)
+        # argmax propagates NaN like amax, so the logit it picks is each row's max:
+        # finite exactly when forward's row check passes (no full-row reduction needed).
+        if not bool(torch.isfinite(logits.gather(1, tokens[:, None])).all()):
+            return None
+        return tokens.tolist()
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` (float ``[R, V]``, any float dtype).

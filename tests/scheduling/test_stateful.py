@@ -300,8 +300,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         model_output.errors = {rid: m for rid, m in (errors or {}).items() if rid in self.sched.requests}
         try:
             results = self.sched.update_from_output(out, model_output)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # requests it had not reached are rolled back, as after a failed step
             results = []
+            self.rolled_back = True
             self.check_queues()
         for o in results:
             if o.finished:
