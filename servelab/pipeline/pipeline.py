@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +50,11 @@ import torch
 
 from servelab.config import PipelineConfig
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
+from servelab.pipeline.batch import BatchRuns
 from servelab.pipeline.delivery import OutputDelivery, Tracked
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
-from servelab.pipeline.inputs import (
-    RenderedPrompt,
-    batch_arguments,
-    conversations_of,
-    prompt_token_ids,
-    render_chat,
-    request_params,
-)
-from servelab.pipeline.metrics import MetricsRecorder, ProgressBar, RunMetrics
+from servelab.pipeline.inputs import RenderedPrompt, prompt_token_ids, request_params
+from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
 from servelab.pipeline.hybrid import HybridModelRunner, allocate_group_kv_caches
 from servelab.pipeline.runner import ModelRunner
@@ -82,7 +76,7 @@ _CACHE_SETTINGS = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cach
                    "kv_cache_groups")
 
 
-class Pipeline(OutputDelivery):
+class Pipeline(BatchRuns, OutputDelivery):
     """A serving engine over one model (see the module docstring).
 
     Args:
@@ -400,110 +394,3 @@ class Pipeline(OutputDelivery):
         if reset:
             self._recorder = self._new_recorder()
         return metrics
-
-    # ---- batch APIs --------------------------------------------------------------------
-
-    def _start_run(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> list[str]:
-        """Queue a batch, all or nothing: if queueing raises, the requests this
-        call already queued are aborted and forgotten before the error propagates."""
-        self._recorder = self._new_recorder()
-        rids: list[str] = []
-        try:
-            for i, (p, sp, prio) in enumerate(batch):
-                rids.append(self.add_request(p, sp, priority=prio, index=i, detokenize=detokenize))
-        except BaseException:
-            self._end_run(rids)
-            self.last_outputs = []
-            raise
-        return rids
-
-    def _end_run(self, rids: list[str]) -> None:
-        """Every request of the run ends (anything still running — an exception,
-        a stream closed early — is aborted), even if an interrupt arrives
-        meanwhile; the first interrupt is re-raised once all have ended."""
-        interrupted: BaseException | None = None
-        try:
-            self._apply_all(self._take_pending())
-        except BaseException as exc:
-            interrupted = exc
-        for rid in rids:
-            tracked = self._tracked.get(rid)
-            if tracked is not None and not tracked.done:
-                try:
-                    self.abort_request(rid)
-                except BaseException as exc:
-                    interrupted = interrupted or exc
-        self.last_outputs = [self._tracked.pop(rid).output for rid in rids if rid in self._tracked]
-        ours = set(rids)
-        self._events = [e for e in self._events if e.request_id not in ours]
-        self.last_run_metrics = self.run_metrics()
-        if interrupted is not None:
-            raise interrupted
-
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False, priorities: Sequence[int] | None = None,
-                 detokenize: bool = True) -> list[GenerationOutput]:
-        """Run ``prompts`` to completion; one :class:`GenerationOutput` per prompt, in order.
-
-        ``prompts``: one prompt or a list (a prompt is a ``str`` or a list of
-        int token ids; ``bytes`` raise ``TypeError``). ``sampling_params``: one
-        for all, or one per prompt (default ``SamplingParams()``: temperature
-        1, 16 tokens). ``priorities``: one int per prompt (lower first, for the
-        "priority" policy). Metrics of the run land in :attr:`last_run_metrics`.
-        """
-        batch = batch_arguments(prompts, sampling_params, priorities)
-        progress = ProgressBar(len(batch), use_tqdm)
-        try:
-            for event in self._stream(batch, detokenize):
-                progress.update(int(event.finished), len(event.new_token_ids))
-        finally:
-            progress.close()
-        return list(self.last_outputs)
-
-    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None,
-             priorities: Sequence[int] | None = None) -> list[GenerationOutput]:
-        """Generate replies to chat conversations, as vLLM's ``LLM.chat``.
-
-        ``messages``: one conversation (a list of ``{"role": ..., "content":
-        ...}`` dicts) or a list of conversations. Each is rendered with the
-        tokenizer's chat template (or ``chat_template``), with the assistant
-        prompt appended (``add_generation_prompt``), and tokenized without
-        adding special tokens, so the template's BOS is the only one. Returns
-        one output per conversation (a list even for one); ``prompt`` is the
-        rendered text. Raises ``ValueError`` when there is no tokenizer or no
-        chat template.
-        """
-        conversations, _ = conversations_of(messages)
-        prompts = [render_chat(self.tokenizer, conv, chat_template=chat_template,
-                               add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
-                   for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priorities=priorities)
-
-    def stream(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               priorities: Sequence[int] | None = None, detokenize: bool = True) -> Iterator[StreamEvent]:
-        """Like :meth:`generate`, step by step: yields a :class:`StreamEvent` per
-        request and step as tokens arrive. Arguments are checked now; requests
-        are queued when iteration starts. Closing the iterator early aborts the
-        rest. Final outputs land in :attr:`last_outputs`, metrics in
-        :attr:`last_run_metrics`."""
-        return self._stream(batch_arguments(prompts, sampling_params, priorities), detokenize)
-
-    def _stream(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> Iterator[StreamEvent]:
-        rids = self._start_run(batch, detokenize)
-        pending = set(rids)
-        try:
-            while pending:
-                events = self.step()
-                for event in events:
-                    if event.request_id in pending:
-                        if event.finished:
-                            pending.discard(event.request_id)
-                        yield event
-                if pending and not events and not self.scheduler.has_unfinished_requests():
-                    raise RuntimeError(f"requests {sorted(pending)[:5]} were lost: not finished, not scheduled")
-        finally:
-            self._end_run(rids)

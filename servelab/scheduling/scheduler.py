@@ -74,64 +74,27 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
 
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
 from servelab.scheduling.output import (
-    CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
     SchedulerOutput,
     SchedulerStats,
 )
 from servelab.scheduling.policies import get_policy
-from servelab.scheduling.request import Request, RequestStatus
-from servelab.scheduling.transitions import RequestTransitions
+from servelab.scheduling.request import Request
+from servelab.scheduling.step import Step as _Step
+from servelab.scheduling.step import block_ids as _block_ids
+from servelab.scheduling.step import raised as _raised
+from servelab.scheduling.transitions import PREEMPTED, RUNNING, WAITING, RequestTransitions
 
-WAITING = RequestStatus.WAITING
-RUNNING = RequestStatus.RUNNING
-PREEMPTED = RequestStatus.PREEMPTED
-STOPPED = RequestStatus.FINISHED_STOPPED
-ABORTED = RequestStatus.FINISHED_ABORTED
-FAILED = RequestStatus.FINISHED_FAILED
 _NO_BLOCKS: tuple[int, ...] = ()
 # What the scheduler calls on its KV cache manager (a subset of KVCacheManagerProtocol).
 _KV_MEMBERS = ("block_size", "enable_caching", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
                "get_block_ids")
-
-
-def _block_ids(blocks: list[Any]) -> list[int]:
-    """Ids of the blocks ``allocate_slots`` returned: pool blocks (``.block_id``) or, from
-    the plain reference manager, the ids themselves. A tuple holds one list per KV-cache
-    group (``HybridKVCacheManager``) and gives one id list per group."""
-    if type(blocks) is tuple:
-        return tuple([b if type(b) is int else b.block_id for b in group] for group in blocks)
-    return [b if type(b) is int else b.block_id for b in blocks]
-
-
-def _raised(who: str, exc: BaseException) -> str:
-    return f"{who} raised {type(exc).__name__}: {exc}"
-
-
-class _Step:
-    """What one ``schedule()`` call has decided so far; its phases share it."""
-
-    __slots__ = ("budget", "now", "num_scheduled", "spec_tokens", "new_blocks_of", "preempted", "cached",
-                 "new_reqs", "total_kv")
-
-    def __init__(self, budget: int, now: float) -> None:
-        self.budget = budget
-        self.now = now
-        self.num_scheduled: dict[str, int] = {}
-        self.spec_tokens: dict[str, list[int]] = {}
-        self.new_blocks_of: dict[str, tuple[Request, list]] = {}
-        self.preempted: set[str] = set()
-        self.cached = CachedRequestData()
-        self.new_reqs: list[NewRequestData] = []
-        self.total_kv = 0
 
 
 class Scheduler(RequestTransitions):
