@@ -62,6 +62,29 @@ class BlockDemoResult:
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def _admit_waiting(manager: KVCacheManager, waiting: list, running: list, budget: int,
+                   result: BlockDemoResult) -> int:
+    """Admit waiting requests (with their prefix hits) while budget and blocks last; the budget left."""
+    while waiting and budget > 0:
+        req, target = waiting[0]
+        hit_blocks, num_hit = manager.get_computed_blocks(req)
+        num_new = min(budget, req.num_tokens - num_hit)
+        new = manager.allocate_slots(req, num_new, num_hit, hit_blocks)
+        if new is None:
+            if not running:  # an empty pool cannot take it: it never will
+                waiting.pop(0)
+                result.failed += 1
+                continue
+            break
+        waiting.pop(0)
+        running.append((req, target))
+        result.allocations += 1
+        result.blocks_allocated += len(new)
+        req.num_computed_tokens = num_hit + num_new
+        budget -= num_new
+    return budget
+
+
 def run_block_demo(
     num_requests: int = 64,
     num_blocks: int = 96,
@@ -107,24 +130,7 @@ def run_block_demo(
             result.blocks_allocated += len(new)
             req.num_computed_tokens += num_new
             budget -= num_new
-        # Then admit waiting requests while budget and blocks last.
-        while waiting and budget > 0:
-            req, target = waiting[0]
-            hit_blocks, num_hit = manager.get_computed_blocks(req)
-            num_new = min(budget, req.num_tokens - num_hit)
-            new = manager.allocate_slots(req, num_new, num_hit, hit_blocks)
-            if new is None:
-                if not running:  # an empty pool cannot take it: it never will
-                    waiting.pop(0)
-                    result.failed += 1
-                    continue
-                break
-            waiting.pop(0)
-            running.append((req, target))
-            result.allocations += 1
-            result.blocks_allocated += len(new)
-            req.num_computed_tokens = num_hit + num_new
-            budget -= num_new
+        budget = _admit_waiting(manager, waiting, running, budget, result)
         # The fake model: this step's KV is now written, so its full blocks may be
         # found by prefix lookup (commit after compute); every request whose
         # prompt is fully computed then emits a token.

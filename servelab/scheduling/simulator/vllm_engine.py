@@ -119,16 +119,8 @@ def simulate_vllm(
     wall_start = time.perf_counter()
     while next_arrival < total or live:
         while next_arrival < total and ordered[next_arrival].arrival_time <= now:
-            request = pending[next_arrival]
+            _admit(sched, pending[next_arrival], tracks, now, finished, max_len)
             next_arrival += 1
-            if request.num_prompt_tokens >= max_len:
-                track = tracks[request.request_id]
-                track.reason, track.finish = "error", now
-                track.error = (f"request {request.request_id!r} has a {request.num_prompt_tokens}-token prompt; "
-                               f"vLLM needs it shorter than max_model_len={max_len}")
-                finished.append(track.metrics(0))
-                continue
-            sched.add_request(request)
         if not live:
             if next_arrival >= total:
                 break
@@ -189,3 +181,15 @@ def _record_outputs(engine_outputs: dict, tracks: dict, by_id: dict, now: float,
             if o.finish_reason is not None and track.reason is None:
                 track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
                 finished.append(track.metrics(by_id[o.request_id].num_preemptions))
+
+
+def _admit(sched, request, tracks: dict, now: float, finished: list, max_len: int) -> None:
+    """Hand an arrival to vLLM's scheduler; a prompt vLLM cannot take fails (as servelab fails it)."""
+    if request.num_prompt_tokens >= max_len:
+        track = tracks[request.request_id]
+        track.reason, track.finish = "error", now
+        track.error = (f"request {request.request_id!r} has a {request.num_prompt_tokens}-token prompt; "
+                       f"vLLM needs it shorter than max_model_len={max_len}")
+        finished.append(track.metrics(0))
+        return
+    sched.add_request(request)
