@@ -193,7 +193,16 @@ class FewestDescendantsEvictionPolicy(_HeapPolicy):
 
     def on_cached(self, block: KVCacheBlock, parent: KVCacheBlock | None) -> None:
         block_id = block.block_id
+        if block_id in self._parent:  # a block re-indexed under a new hash: drop its old link first
+            self._add_to_ancestors(block_id, -1 - self._desc.get(block_id, 0))
+            self._children[self._parent.pop(block_id)].discard(block_id)
         self._desc[block_id] = 0
+        ancestor = None if parent is None else parent.block_id
+        while ancestor is not None:  # never link a block under its own descendant (a cycle)
+            if ancestor == block_id:
+                parent = None
+                break
+            ancestor = self._parent.get(ancestor)
         if parent is not None:
             self._parent[block_id] = parent.block_id
             self._children.setdefault(parent.block_id, set()).add(block_id)
