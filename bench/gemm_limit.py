@@ -94,9 +94,13 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model, config = load_model(build(args.model, Path(tmp)))
+    max_model_len = args.context + args.steps + 64
+    # A pool that holds the largest batch whole (the default, sized from the
+    # weights, would preempt at batch 64 and time a smaller batch).
+    num_blocks = max(batches) * -(-max_model_len // 16) + 1
     pipe = Pipeline(model, attention_backend=args.backend, max_num_seqs=max(batches),
-                    max_num_batched_tokens=max(4096, args.context * 8), max_model_len=args.context + args.steps + 64,
-                    enable_prefix_caching=False)
+                    max_num_batched_tokens=max(4096, args.context * 8), max_model_len=max_model_len,
+                    enable_prefix_caching=False, block_size=16, num_blocks=num_blocks)
     rows, lines = [], []
     print(f"model {args.model}, backend {args.backend}, {args.threads} thread(s), context {args.context}\n")
     print("| batch | decode step ms (p50) | GEMM-only ms (p50) | step / GEMM |\n|---|---|---|---|")

@@ -89,7 +89,8 @@ class AttentionCapabilities:
             time by :meth:`AttentionBackend.device_problem`).
         features: optional features implemented, among ``"causal"`` (and
             non-causal), ``"gqa"``, ``"sliding_window"``, ``"softcap"``,
-            ``"split_kv"``, ``"return_lse"``. Asking for ``sliding_window``,
+            ``"split_kv"``, ``"return_lse"``, ``"plan_chaining"`` (:meth:`AttentionBackend.plan`
+            takes ``chain`` / ``previous``). Asking for ``sliding_window``,
             ``softcap`` or ``return_lse`` without the feature is refused.
     """
 
@@ -178,12 +179,21 @@ class AttentionBackend(ABC):
     # ---- public ops: capability gate, then the implementation --------------
 
     def plan(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-             block_size: int, causal: bool = True, sliding_window: int | None = None) -> Any | None:
+             block_size: int, causal: bool = True, sliding_window: int | None = None,
+             **chaining: Any) -> Any | None:
         """Work shared by every layer of one step (index tensors, masks), or ``None``.
 
         The model calls it once per forward (per distinct sliding window) and
         passes the result as ``paged_attention(..., plan=...)`` to every layer.
         The default plans nothing; a backend that returns a plan must accept it.
+
+        A backend declaring the ``"plan_chaining"`` feature is also called
+        with ``chain=True`` and ``previous=`` its own plan from the model's
+        previous forward over the same caches (``None`` when there was none,
+        it failed, or any cache tensor was modified in place since), and may
+        carry work from it (the ``"sdpa"`` backend carries decode K/V:
+        :mod:`servelab.attention.decode_kv`). A plan may then hold state
+        that is only valid for the next forward of the same model.
         """
         return None
 
@@ -262,18 +272,22 @@ ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class SdpaAttentionBackend(AttentionBackend):
     """Paged attention as batched ``scaled_dot_product_attention`` calls
     (:mod:`servelab.attention.sdpa`): the fast choice on a CPU. Plans once
-    per step (gather indices, additive masks, decode / prefill groups). No
-    softcap, no LSE."""
+    per step (gather indices, additive masks, decode / prefill groups) and
+    chains plans: consecutive decode steps of the same sequences carry their
+    K/V instead of gathering it again (:mod:`servelab.attention.decode_kv`).
+    No softcap, no LSE."""
 
     name = "sdpa"
     capabilities = AttentionCapabilities(
-        dtypes=ALL_DTYPES, device_types=ANY_DEVICE, features=frozenset({"causal", "sliding_window", "gqa"}))
+        dtypes=ALL_DTYPES, device_types=ANY_DEVICE,
+        features=frozenset({"causal", "sliding_window", "gqa", "plan_chaining"}))
 
-    def plan(self, block_table, seq_lens, query_start_loc, *, block_size, causal=True, sliding_window=None):
+    def plan(self, block_table, seq_lens, query_start_loc, *, block_size, causal=True, sliding_window=None,
+             chain=False, previous=None):
         from servelab.attention.sdpa import plan_attention
 
         return plan_attention(block_table, seq_lens, query_start_loc, block_size=block_size, causal=causal,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window, chain=chain, previous=previous)
 
     def _paged_attention(self, *args, **kwargs):
         from servelab.attention.sdpa import paged_attention

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab._internal.attention_checks import check_paged_attention_args
+from servelab.attention.decode_kv import DecodeKV, plan_decode_kv
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""
@@ -99,10 +100,20 @@ class AttentionPlan:
     causal: bool
     sliding_window: int | None
     groups: list[_Group]
+    decode_kv: DecodeKV | None = None  # a pure decode step's carried K/V (``plan_attention(chain=True)``)
+    _deferred: tuple | None = None  # arguments to plan ``groups`` on first need (a decode_kv plan)
+
+    def gather_groups(self) -> list[_Group]:
+        """The padded gather groups; for a ``decode_kv`` plan, planned on first need (a layer
+        over :data:`~servelab.attention.decode_kv.BUDGET_BYTES`)."""
+        if self._deferred is not None:
+            self.groups, self._deferred = _plan_groups(*self._deferred), None
+        return self.groups
 
 
 def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
-                   block_size: int, causal: bool = True, sliding_window: int | None = None) -> AttentionPlan:
+                   block_size: int, causal: bool = True, sliding_window: int | None = None,
+                   chain: bool = False, previous: AttentionPlan | None = None) -> AttentionPlan:
     """Split a step into its decode and prefill groups (see the module docstring).
 
     Args:
@@ -110,10 +121,30 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
         query_start_loc: int32 ``[S + 1]`` — the step's metadata.
         block_size: the cache's tokens per block.
         causal, sliding_window: as for :func:`paged_attention`.
+        chain: plan a pure decode step (causal, no window) as a
+            :class:`~servelab.attention.decode_kv.DecodeKV` (dense K/V carried
+            to the next step) where its padding allows.
+        previous: with ``chain``, the plan of the same caches' previous
+            forward, which must have completed with nothing writing the
+            caches since (the model checks); its carried K/V is extended when
+            the step continues the same sequences.
     """
-    device = seq_lens.device
     lens = seq_lens.long()
     starts = query_start_loc.long()
+    num_tokens = int(starts[-1]) if starts.numel() else 0
+    if chain and causal and sliding_window is None and num_tokens == lens.shape[0] > 0:
+        carried = plan_decode_kv(block_table, lens, block_size, previous.decode_kv if previous else None)
+        if carried is not None:
+            deferred = (block_table, lens, starts, block_size, causal, sliding_window)
+            return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, [],
+                                 decode_kv=carried, _deferred=deferred)
+    groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window)
+    return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
+
+
+def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
+                 causal: bool, sliding_window: int | None) -> list[_Group]:
+    device = lens.device
     q_lens = starts[1:] - starts[:-1]
     groups = []
     for decoding, costs in ((True, DECODE_BUCKET_OVERHEAD), (False, BUCKET_OVERHEAD)):
@@ -132,8 +163,7 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
     # loop): the queries are the rows in order, the output needs no scatter.
     if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
         groups[0].identity = bool(torch.equal(groups[0].q_index[:, 0], torch.arange(lens.shape[0], device=device)))
-    num_tokens = int(starts[-1]) if starts.numel() else 0
-    return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
+    return groups
 
 
 BUCKET_OVERHEAD = 4096
@@ -309,8 +339,14 @@ def paged_attention(
     else:
         _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    if len(plan.groups) == 1 and plan.groups[0].identity:
-        g = plan.groups[0]
+    if plan.decode_kv is not None:
+        attn = plan.decode_kv.attend(query, key_cache, value_cache, scale, compute)
+        if attn is not None:
+            attn = attn.to(query.dtype)
+            return attn if out is None else out.copy_(attn)
+    groups = plan.gather_groups()
+    if len(groups) == 1 and groups[0].identity:
+        g = groups[0]
         q = query.unsqueeze(1).to(compute)  # [T, 1, Hq, D]: sequence i is row i
         attn = _attend(q, _gather(key_cache, g).to(compute), _gather(value_cache, g).to(compute),
                        g.mask(compute), scale)
@@ -319,7 +355,7 @@ def paged_attention(
             return attn
         return out.copy_(attn)
     result = out if out is not None else torch.empty_like(query)
-    for g in plan.groups:
+    for g in groups:
         q = query.index_select(0, g.q_index.flatten()).view(*g.q_index.shape, *query.shape[1:]).to(compute)
         k = _gather(key_cache, g).to(compute)  # [n, max_kv, Hk, D]
         v = _gather(value_cache, g).to(compute)

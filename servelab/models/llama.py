@@ -79,12 +79,14 @@ class _StepAttention:
     researcher's object) is called with the reference signature every layer.
     """
 
-    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int, *, check_values: bool = True) -> None:
+    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int, *, check_values: bool = True,
+                 chain: bool = False, previous_plans: dict[int | None, Any] | None = None) -> None:
         from servelab.attention.backends import AttentionBackend
 
         self.ops, self.metadata, self.block_size = ops, metadata, block_size
         self.check_values = check_values
         self.is_backend = isinstance(ops, AttentionBackend)
+        self.chain, self.previous_plans = chain, previous_plans or {}
         self.plans: dict[int | None, Any] = {}
         self.checked_write = False
         self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
@@ -116,9 +118,10 @@ class _StepAttention:
             extra = {} if sliding_window is None else {"sliding_window": sliding_window}
             return self.ops.paged_attention(*args, scale=scale, causal=True, **extra)
         if sliding_window not in self.plans:
+            chaining = {"chain": True, "previous": self.previous_plans.get(sliding_window)} if self.chain else {}
             self.plans[sliding_window] = self.ops.plan(m.block_table, m.seq_lens, m.query_start_loc,
                                                        block_size=self.block_size, causal=True,
-                                                       sliding_window=sliding_window)
+                                                       sliding_window=sliding_window, **chaining)
         plan = self.plans[sliding_window]
         extra = {} if plan is None else {"plan": plan}
         if sliding_window not in self.checked_read:
@@ -139,7 +142,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     so it equals ``roll(x, D/2) * cat(-s1, s2)``; the products and the sum are
     the same operations in the same order.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
+    return rotated.add_(x * cos)  # == x * cos + rotated exactly (IEEE addition commutes)
+
+
+def _cache_state(caches: list) -> tuple | None:
+    """Identity and in-place version of every cache tensor (``None`` for inference-mode
+    tensors, which keep no version counter: never chained)."""
+    try:
+        return tuple((t.data_ptr(), t._version) for pair in caches for t in pair)
+    except RuntimeError:
+        return None
 
 
 def layer_attentions(make: Any, ops: Any, metadata: GroupedAttentionMetadata, *args: Any) -> list[Any]:
@@ -200,8 +213,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
         # Unfused residual adds (not vLLM's fused add+norm) so that bf16 rounds
         # exactly as HF does.
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention)
+        if torch.is_grad_enabled():
+            h = x + h
+            return h + self.mlp(self.post_attention_layernorm(h))
+        # Inference: add into the fresh projection outputs (a + b == b + a exactly,
+        # so bit-identical) instead of allocating [T, hidden] twice per layer.
+        h = h.add_(x)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class LlamaModel(nn.Module):
@@ -311,11 +330,41 @@ class LlamaForCausalLM(nn.Module):
                                                   layer_attentions(_StepAttention, self.attention, attn_metadata)):
                 x = layer(x, cos, sin, kv_cache, attention)
             return self.model.norm(x)
-        attention = _StepAttention(self.attention, attn_metadata, caches[0][0].shape[1] if caches else 1,
-                                   check_values=self.check_inputs)
+        ops = self.attention
+        chain = "plan_chaining" in getattr(getattr(ops, "capabilities", None), "features", ())
+        attention = _StepAttention(ops, attn_metadata, caches[0][0].shape[1] if caches else 1,
+                                   check_values=self.check_inputs, chain=chain,
+                                   previous_plans=self._previous_plans(ops, caches) if chain else None)
         for layer, kv_cache in zip(self.model.layers, caches):
             x = layer(x, cos, sin, kv_cache, attention)
+        if chain:
+            state = _cache_state(caches)
+            if state is not None:
+                object.__setattr__(self, "_plan_memory", (ops, state, attention.plans))
         return self.model.norm(x)
+
+    def _previous_plans(self, ops: Any, caches: list) -> dict | None:
+        """The last forward's plans, if it completed with the same backend and caches and
+        no cache tensor was modified in place since (torch's version counters); taken once."""
+        memory = self.__dict__.get("_plan_memory")
+        if memory is None:
+            return None
+        self.reset_attention_state()  # a forward that raises leaves nothing to chain from
+        last_ops, last_state, plans = memory
+        if last_ops is not ops or last_state != _cache_state(caches):
+            return None
+        return plans
+
+    def reset_attention_state(self) -> None:
+        """Drop what the attention backend carries between forwards (the ``"sdpa"``
+        backend's dense decode K/V, up to ``servelab.attention.decode_kv.BUDGET_BYTES``).
+
+        Never needed for correctness when caches are written through torch
+        (in-place writes are detected); call it after writing a cache by other
+        means (raw pointers, ``.data``, numpy views), or to free the memory
+        when a batch ends (the pipeline does when it runs out of requests).
+        """
+        self.__dict__.pop("_plan_memory", None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]`` (GEMM in the model dtype, as HF)."""

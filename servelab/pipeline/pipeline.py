@@ -373,6 +373,8 @@ class Pipeline(BatchRuns, OutputDelivery):
             raise
         else:
             self._apply_all(self.scheduler.update_from_output(sched_out, model_out))
+        if not self.scheduler.has_unfinished_requests():
+            self._release_attention_state()
         self._recorder.record_step(usage, sched_out.num_reqs, sched_out.total_num_scheduled_tokens,
                                    self.clock() - start, self.runner.last_verification,
                                    kv_tokens=sched_out.total_num_kv_tokens)
@@ -380,10 +382,18 @@ class Pipeline(BatchRuns, OutputDelivery):
 
     def _rollback(self, sched_out: Any) -> None:
         """Undo a failed step: the scheduler preempts its requests, the runner forgets their rows."""
+        self._release_attention_state()
         if sched_out is None:
             return
         self.scheduler.rollback_step(sched_out)
         self.runner.rollback(sched_out)
+
+    def _release_attention_state(self) -> None:
+        """Free what the attention backend carries between forwards (decode K/V) once no
+        request needs it; a model without the hook carries nothing."""
+        reset = getattr(self.model, "reset_attention_state", None)
+        if reset is not None:
+            reset()
 
     # ---- metrics -------------------------------------------------------------------
 

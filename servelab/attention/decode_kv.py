@@ -1,0 +1,220 @@
+"""Decode K/V carried from one step to the next: the ``"sdpa"`` backend without a per-step gather.
+
+A pure decode step (every sequence adds one token) through the paged cache
+costs, per layer, a gather of every sequence's whole context into a padded
+batch (``[n, max_len, Hk, D]`` for K and again for V) before one attention
+call: on a CPU that copy runs at memory speed and was about as long as the
+attention itself (SmolLM2-135M shapes, 16 sequences of ~160 tokens: gather
+100 us, SDPA 240 us, per layer). Yet consecutive decode steps of the same
+sequences read the same context plus one token.
+
+:class:`DecodeKV` keeps, per layer, the step's K and V as dense buffers in
+the compute dtype, K transposed (``[n, Hk, D, cap]``, so the score product
+``q @ K`` reads it in the order a GEMM wants: 20-25% faster than ``q @ K^T``)
+and V as ``[n, Hk, cap, D]`` (``cap`` >= the longest context, with headroom). The next step of the *same* sequences (same rows, same
+block-table prefix, every context one token longer, contexts within ``cap``)
+appends the one new K/V row per sequence from the cache (two tiny copies)
+instead of gathering everything again; any other step starts afresh with one
+gather. Attention is then three batched ops over ``[n * Hk]`` heads on the
+dense buffers: ``baddbmm`` (scores plus the length mask), ``softmax``,
+``bmm`` — with the query-head group of each KV head as the rows of one small
+matrix product (GQA without copying K/V), measured 1.3-1.8x faster than SDPA
+on the same dense tensors and 1.8x faster than gather + SDPA at those shapes.
+
+Why carrying is safe. The buffers are copies of cache slots; they stay right
+as long as those slots are not rewritten. (1) Between forwards: the model
+hands a plan to the next step only if no cache tensor was modified in
+between (torch's in-place version counters; see
+:meth:`servelab.models.llama.LlamaForCausalLM.forward`), and only after a
+forward that completed. (2) Within a carried step: every sequence writes its
+own position ``len - 1``, which lies in its own last, partly filled block.
+Blocks are shared between sequences only once full (prefix caching), so
+that slot is in no other row's carried range. A step that is not pure decode
+(a prompt, a chunk, a draft check) or whose rows differ from the last step's
+starts over.
+
+Padding: one batch padded to the longest context (no length buckets), so a
+step whose padded size exceeds :data:`MAX_PADDING` times its real size, or
+whose buffers would exceed :data:`BUDGET_BYTES`, uses the bucketed gather
+path of :mod:`servelab.attention.sdpa` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_PADDING = 2.0
+"""Carry only when ``n * max_len <= MAX_PADDING * sum(lens)``: past that the
+bucketed gather path (which pads each bucket to its own longest) reads less."""
+
+BUDGET_BYTES = 512 * 2**20
+"""Most bytes of dense K/V buffers one step holds over all layers; a layer
+that would go past it uses the gather path (its step still computes the same
+result)."""
+
+HEADROOM = 64
+"""Extra positions per buffer beyond the longest context, so a batch decodes
+about this many tokens before its buffers are regathered with a larger ``cap``."""
+
+
+class DecodeKV:
+    """Dense per-layer K/V of one pure decode step's ``n`` sequences.
+
+    Built by :func:`plan_decode_kv`; one instance per step, handed to the
+    next step's plan. Tensors:
+
+    - ``table`` int64 ``[n, nb]``: the step's block-table columns that hold
+      its contexts (a copy: the caller's buffer may be reused);
+    - ``lens`` int64 ``[n]``: context lengths including this step's token;
+    - ``new_slots`` int64 ``[n]``: cache slot of each row's position ``len - 1``;
+    - ``buffers``: per layer, keyed by ``(key_cache.data_ptr(),
+      value_cache.data_ptr(), dtype)``, ``(k, v)``: K ``[n, Hk, D, cap]``,
+      V ``[n, Hk, cap, D]``; row ``i`` holds positions ``[0, lens[i])``
+      (``[0, lens[i] - 1)`` until this step appends when ``extends``); every
+      other position is finite.
+    """
+
+    def __init__(self, table: torch.Tensor, lens: torch.Tensor, block_size: int, cap: int,
+                 buffers: dict, extends: bool) -> None:
+        self.table, self.lens, self.block_size, self.cap = table, lens, block_size, cap
+        self.max_len = int(lens.max())
+        last = lens - 1
+        self.new_slots = table.gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+        self.buffers, self.extends = buffers, extends
+        self.bytes = sum(k.numel() * k.element_size() * 2 for k, _ in buffers.values())
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self._append_index: dict[int, torch.Tensor] = {}
+
+    # ---- per step (shared by every layer) -------------------------------------------------
+
+    def mask(self, dtype: torch.dtype, num_kv_heads: int, group: int) -> torch.Tensor:
+        """Additive ``[n * Hk, G, max_len]`` mask: 0 for positions ``< lens[i]``, ``-inf`` after."""
+        key = (dtype, num_kv_heads, group)
+        cached = self._masks.get(key)
+        if cached is None:
+            n = self.lens.shape[0]
+            past_end = torch.arange(self.max_len, device=self.lens.device)[None, :] >= self.lens[:, None]
+            mask = torch.zeros(n, self.max_len, dtype=dtype, device=self.lens.device)
+            mask.masked_fill_(past_end, float("-inf"))
+            cached = self._masks[key] = mask[:, None, None, :].expand(n, num_kv_heads, group, self.max_len) \
+                .reshape(n * num_kv_heads, group, self.max_len)
+        return cached
+
+    def append_index(self, num_kv_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where this step's K/V (``[n * Hk, D]``) go: elements of the flat K buffer
+        (``[n * Hk * D]``, ``(row, head, d)`` order) and rows of V viewed as ``[n * Hk * cap, D]``."""
+        cached = self._append_index.get((num_kv_heads, head_size))
+        if cached is None:
+            n = self.lens.shape[0]
+            position = (self.lens - 1).repeat_interleave(num_kv_heads)  # [n * Hk]
+            heads = torch.arange(n * num_kv_heads, device=self.lens.device)
+            d = torch.arange(head_size, device=self.lens.device)
+            key = ((heads[:, None] * head_size + d[None, :]) * self.cap + position[:, None]).flatten()
+            cached = self._append_index[(num_kv_heads, head_size)] = (key, heads * self.cap + position)
+        return cached
+
+    def context_slots(self) -> torch.Tensor:
+        """int64 ``[n * max_len]``: cache slot of every position of every row (past a row's
+        end: its own position 0, real and finite data that the mask hides)."""
+        pos = torch.arange(self.max_len, device=self.lens.device)[None, :]
+        pos = torch.where(pos < self.lens[:, None], pos, 0)
+        return (self.table.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size).flatten()
+
+    # ---- per layer --------------------------------------------------------------------------
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               scale: float, compute: torch.dtype) -> torch.Tensor | None:
+        """Attention of this step's ``n`` queries ``[n, Hq, D]`` over the layer's carried K/V.
+
+        ``key_cache`` / ``value_cache`` ``[N, B, Hk, D]`` already hold this
+        step's K/V. Returns ``[n, Hq, D]`` in ``compute``, or ``None`` when
+        this layer cannot be carried (a cache that is not a flattenable view,
+        or the byte budget): the caller then takes the gather path.
+        """
+        block_size = key_cache.shape[1]
+        for cache in (key_cache, value_cache):
+            if cache.shape[0] > 1 and cache.stride(0) != block_size * cache.stride(1):
+                return None
+        flat_k = key_cache.view(-1, *key_cache.shape[2:])
+        flat_v = value_cache.view(-1, *value_cache.shape[2:])
+        num_kv_heads, head_size = flat_k.shape[1:]
+        layer = (key_cache.data_ptr(), value_cache.data_ptr(), compute)
+        buffers = self.buffers.get(layer) if self.extends else None
+        if buffers is None:
+            buffers = self._gather(flat_k, flat_v, compute)
+            if buffers is None:
+                return None
+            self.buffers[layer] = buffers
+        else:
+            key_index, value_index = self.append_index(num_kv_heads, head_size)
+            dense_k, dense_v = buffers
+            new_k = flat_k.index_select(0, self.new_slots).to(compute)  # [n, Hk, D]
+            dense_k.view(-1).index_copy_(0, key_index, new_k.flatten())
+            new_v = flat_v.index_select(0, self.new_slots).to(compute)
+            dense_v.view(-1, head_size).index_copy_(0, value_index, new_v.reshape(-1, head_size))
+        k = buffers[0].view(-1, head_size, self.cap)[:, :, : self.max_len]  # [n * Hk, D, max_len]
+        v = buffers[1].view(-1, self.cap, head_size)[:, : self.max_len]  # [n * Hk, max_len, D]
+        n, num_heads = query.shape[:2]
+        group = num_heads // num_kv_heads
+        q = query.to(compute).reshape(n * num_kv_heads, group, head_size)  # head h = kv head h // G
+        scores = torch.baddbmm(self.mask(compute, num_kv_heads, group), q, k, alpha=scale)
+        return torch.bmm(torch.softmax(scores, dim=-1), v).view(n, num_heads, head_size)
+
+    def _gather(self, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = self.lens.shape[0]
+        num_kv_heads, head_size = flat_k.shape[1:]
+        size = n * num_kv_heads * self.cap * head_size
+        element = torch.empty((), dtype=compute).element_size()
+        if self.bytes + 2 * size * element > BUDGET_BYTES:
+            return None
+        slots = self.context_slots()
+        keys = flat_k.index_select(0, slots).view(n, self.max_len, num_kv_heads, head_size)
+        dense_k = torch.empty(n, num_kv_heads, head_size, self.cap, dtype=compute, device=flat_k.device)
+        dense_k[..., self.max_len:].zero_()  # never read unmasked, but must be finite
+        dense_k[..., : self.max_len].copy_(keys.permute(0, 2, 3, 1))
+        values = flat_v.index_select(0, slots).view(n, self.max_len, num_kv_heads, head_size)
+        dense_v = torch.empty(n, num_kv_heads, self.cap, head_size, dtype=compute, device=flat_v.device)
+        dense_v[:, :, self.max_len:].zero_()
+        dense_v[:, :, : self.max_len].copy_(values.transpose(1, 2))
+        self.bytes += 2 * size * element
+        return dense_k, dense_v
+
+
+def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
+                   previous: DecodeKV | None) -> DecodeKV | None:
+    """The :class:`DecodeKV` of a pure decode step, extending ``previous`` when it holds the
+    same rows one token shorter; ``None`` when padding would exceed :data:`MAX_PADDING`.
+
+    Args:
+        block_table: int32/int64 ``[n, max_blocks]``; lens: int64 ``[n]`` (>= 1),
+        contexts including this step's token; block_size: tokens per block.
+        previous: the last step's (only if nothing wrote the caches since).
+    """
+    n = lens.shape[0]
+    if n == 0:
+        return None
+    lens_host = lens.tolist()
+    max_len = max(lens_host)
+    if n * max_len > MAX_PADDING * sum(lens_host):
+        return None
+    num_blocks = -(-max_len // block_size)
+    table = block_table[:, :num_blocks].to(torch.int64, copy=True)  # the caller may reuse its buffer
+    if previous is not None and _extends(previous, table, lens, max_len, block_size):
+        return DecodeKV(table, lens, block_size, previous.cap, previous.buffers, extends=True)
+    cap = -(-(max_len + HEADROOM) // 16) * 16
+    return DecodeKV(table, lens, block_size, cap, {}, extends=False)
+
+
+def _extends(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int) -> bool:
+    """Same rows as ``previous`` in the same order, each exactly one token longer, still within its ``cap``."""
+    if (previous.block_size != block_size or previous.lens.shape != lens.shape or max_len > previous.cap
+            or not torch.equal(previous.lens + 1, lens)):
+        return False
+    held = previous.table.shape[1]
+    if table.shape[1] < held:
+        return False
+    # Only the columns that held each row's previous context must match (a
+    # table's columns past a row's last block are stale or unset).
+    used = torch.arange(held, device=table.device)[None, :] < (-(-previous.lens // block_size))[:, None]
+    return bool(((table[:, :held] == previous.table) | ~used).all())
