@@ -1,0 +1,168 @@
+"""Carried decode K/V (``plan_attention(chain=True, previous=...)``) against the reference.
+
+A simulated serving loop: sequences grow one token per step in a paged cache
+(new blocks taken from a shuffled free list), every unused slot poisoned with
+NaN. Each step's attention through the chained plan must match the float64
+reference, equal a fresh (unchained) plan bit for bit, and actually extend
+the previous step's buffers when the rows are the same.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import servelab.attention.decode_kv as decode_kv
+from servelab.attention.sdpa import paged_attention, plan_attention
+from servelab.reference import paged_attention as reference_attention
+
+
+class Loop:
+    """``n`` sequences in a paged cache of ``num_blocks`` blocks, float64, NaN where unused."""
+
+    def __init__(self, lens, num_q_heads, num_kv_heads, head_size, block_size, seed, num_blocks=None):
+        if num_blocks is None:  # room for every sequence to grow by 16 tokens
+            num_blocks = 1 + sum(-(-(n + 16) // block_size) for n in lens)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.heads = (num_q_heads, num_kv_heads, head_size)
+        self.block_size = block_size
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        self.key_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+        self.value_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+        self.free = list(range(1, num_blocks))
+        self.rng.shuffle(self.free)
+        self.tables: list[list[int]] = [[] for _ in lens]
+        self.lens = [0] * len(lens)
+        for i, length in enumerate(lens):
+            for _ in range(length):
+                self.write(i)
+
+    def write(self, i: int) -> None:
+        """Append one random K/V row to sequence ``i``."""
+        pos = self.lens[i]
+        if pos % self.block_size == 0:
+            self.tables[i].append(self.free.pop())
+        block, offset = self.tables[i][pos // self.block_size], pos % self.block_size
+        _, num_kv_heads, head_size = self.heads
+        for cache in (self.key_cache, self.value_cache):
+            cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=self.gen, dtype=torch.float64)
+        self.lens[i] += 1
+
+    def metadata(self, rows):
+        width = max(len(self.tables[i]) for i in rows) + 1
+        table = torch.full((len(rows), width), 10**6, dtype=torch.int32)  # unused entries: out of range
+        for r, i in enumerate(rows):
+            table[r, : len(self.tables[i])] = torch.tensor(self.tables[i], dtype=torch.int32)
+        seq_lens = torch.tensor([self.lens[i] for i in rows], dtype=torch.int32)
+        return table, seq_lens, torch.arange(len(rows) + 1, dtype=torch.int32)
+
+    def query(self, n):
+        num_q_heads, _, head_size = self.heads
+        return torch.randn(n, num_q_heads, head_size, generator=self.gen, dtype=torch.float64)
+
+
+def attend(loop, rows, previous=None, chain=True):
+    """(out, plan) of one decode step of ``rows`` (their tokens already written)."""
+    table, seq_lens, qsl = loop.metadata(rows)
+    plan = plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=chain, previous=previous)
+    query = loop.query(len(rows))
+    out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=plan)
+    expected = reference_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
+                            plan=plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=True))
+    assert torch.equal(out, fresh), "a carried step must equal a fresh start bit for bit"
+    return out, plan
+
+
+HEADS = [(1, 1), (4, 2), (6, 3), (8, 1), (5, 5)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 24), min_size=1, max_size=6), heads=st.sampled_from(HEADS),
+       head_size=st.sampled_from([4, 16]), block_size=st.sampled_from([1, 2, 4, 8]),
+       steps=st.integers(1, 6), headroom=st.sampled_from([0, 3, 64]), seed=st.integers(0, 2**16))
+def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps, headroom, seed):
+    lens = [max(1, min(n, 2 * min(lens))) for n in lens]  # keep padding under MAX_PADDING
+    with pytest.MonkeyPatch.context() as patch:  # small headroom: buffers outgrown, regathered
+        patch.setattr(decode_kv, "HEADROOM", headroom)
+        run_loop(lens, heads, head_size, block_size, steps, seed)
+
+
+def run_loop(lens, heads, head_size, block_size, steps, seed):
+    loop = Loop(lens, *heads, head_size, block_size, seed)
+    rows = list(range(len(lens)))
+    _, plan = attend(loop, rows)
+    assert plan.decode_kv is not None and not plan.decode_kv.extends
+    for _ in range(steps):
+        for i in rows:
+            loop.write(i)
+        previous = plan
+        _, plan = attend(loop, rows, previous=previous)
+        note(f"lens {loop.lens}, cap {plan.decode_kv.cap}")
+        carried = max(loop.lens) <= previous.decode_kv.cap
+        assert plan.decode_kv.extends == carried
+
+
+def test_changed_rows_start_afresh():
+    loop = Loop([5, 9, 7], 4, 2, 8, 4, seed=1)
+    _, plan = attend(loop, [0, 1, 2])
+    for i in (0, 1, 2):
+        loop.write(i)
+    _, dropped = attend(loop, [0, 2], previous=plan)  # request 1 finished
+    assert not dropped.decode_kv.extends
+    loop.write(0)
+    loop.write(2)
+    _, swapped = attend(loop, [2, 0], previous=dropped)  # same requests, other order
+    assert not swapped.decode_kv.extends
+    loop.write(0)
+    loop.write(2)
+    _, same = attend(loop, [2, 0], previous=swapped)
+    assert same.decode_kv.extends
+
+
+def test_same_length_is_not_a_continuation():
+    """A step re-run at the same lengths (a rolled-back step) must not append twice."""
+    loop = Loop([6, 6], 2, 1, 8, 4, seed=2)
+    _, plan = attend(loop, [0, 1])
+    _, again = attend(loop, [0, 1], previous=plan)
+    assert not again.decode_kv.extends
+
+
+def test_too_much_padding_and_prefills_use_the_gather_groups():
+    loop = Loop([1, 2, 40], 2, 1, 8, 4, seed=3)
+    table, seq_lens, qsl = loop.metadata([0, 1, 2])  # 3 x 40 padded > 2 x 43 real
+    assert plan_attention(table, seq_lens, qsl, block_size=4, chain=True).decode_kv is None
+    prefill = plan_attention(table, seq_lens, torch.tensor([0, 1, 2, 4], dtype=torch.int32), block_size=4,
+                             chain=True)
+    assert prefill.decode_kv is None and prefill.groups
+    windowed = plan_attention(table[1:], seq_lens[1:], qsl[:3], block_size=4, chain=True, sliding_window=8)
+    assert windowed.decode_kv is None
+    for rows in ([0, 1, 2], [1, 2]):
+        attend(loop, rows)  # still right through the groups
+
+
+def test_over_budget_layers_fall_back(monkeypatch):
+    monkeypatch.setattr(decode_kv, "BUDGET_BYTES", 0)
+    loop = Loop([5, 7], 4, 2, 8, 4, seed=4)
+    out, plan = attend(loop, [0, 1])
+    assert plan.decode_kv is not None and not plan.decode_kv.buffers  # nothing carried
+    assert plan.groups  # planned on first need
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_caches(dtype):
+    loop = Loop([5, 8, 3], 6, 3, 16, 4, seed=5)
+    loop.key_cache, loop.value_cache = loop.key_cache.to(dtype), loop.value_cache.to(dtype)
+    table, seq_lens, qsl = loop.metadata([0, 1, 2])
+    query = loop.query(3).to(dtype)
+    plan = plan_attention(table, seq_lens, qsl, block_size=4, chain=True)
+    out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=plan)
+    expected = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
