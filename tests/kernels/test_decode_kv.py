@@ -17,6 +17,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import servelab.attention.decode_kv as decode_kv
+import servelab.attention.sdpa as sdpa
 from servelab.attention.sdpa import paged_attention, plan_attention
 from servelab.reference import paged_attention as reference_attention
 
@@ -84,14 +85,30 @@ HEADS = [(1, 1), (4, 2), (6, 3), (8, 1), (5, 5)]
 
 
 @settings(max_examples=60, deadline=None)
-@given(lens=st.lists(st.integers(1, 24), min_size=1, max_size=6), heads=st.sampled_from(HEADS),
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=8), heads=st.sampled_from(HEADS),
        head_size=st.sampled_from([4, 16]), block_size=st.sampled_from([1, 2, 4, 8]),
-       steps=st.integers(1, 6), headroom=st.sampled_from([0, 3, 64]), seed=st.integers(0, 2**16))
-def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps, headroom, seed):
-    lens = [max(1, min(n, 2 * min(lens))) for n in lens]  # keep padding under MAX_PADDING
-    with pytest.MonkeyPatch.context() as patch:  # small headroom: buffers outgrown, regathered
-        patch.setattr(decode_kv, "HEADROOM", headroom)
+       steps=st.integers(1, 6), headroom=st.sampled_from([0, 3, 64]), overhead=st.sampled_from([0, 16, 512]),
+       seed=st.integers(0, 2**16))
+def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps, headroom, overhead, seed):
+    lens = [max(1, min(n, 4 * min(lens))) for n in lens]  # keep padding under MAX_PADDING
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_kv, "HEADROOM", headroom)  # small: buffers outgrown, regathered
+        patch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", overhead)  # small: many length buckets
         run_loop(lens, heads, head_size, block_size, steps, seed)
+
+
+def test_rows_are_sorted_into_length_buckets(monkeypatch):
+    monkeypatch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", 0)
+    loop = Loop([30, 3, 17, 3, 25], 4, 2, 8, 4, seed=6)
+    rows = list(range(5))
+    _, plan = attend(loop, rows)
+    carried = plan.decode_kv
+    assert carried.order.tolist() == [1, 3, 2, 4, 0] and len(carried.buckets) > 1
+    for _ in range(3):
+        for i in rows:
+            loop.write(i)
+        _, plan = attend(loop, rows, previous=plan)
+        assert plan.decode_kv.extends and plan.decode_kv.buckets == carried.buckets
 
 
 def run_loop(lens, heads, head_size, block_size, steps, seed):
@@ -135,16 +152,17 @@ def test_same_length_is_not_a_continuation():
 
 
 def test_too_much_padding_and_prefills_use_the_gather_groups():
-    loop = Loop([1, 2, 40], 2, 1, 8, 4, seed=3)
-    table, seq_lens, qsl = loop.metadata([0, 1, 2])  # 3 x 40 padded > 2 x 43 real
+    loop = Loop([1, 1, 1, 1, 2, 80], 2, 1, 8, 4, seed=3)
+    rows = list(range(6))
+    table, seq_lens, qsl = loop.metadata(rows)  # 6 x 80 padded > MAX_PADDING x 86 real
     assert plan_attention(table, seq_lens, qsl, block_size=4, chain=True).decode_kv is None
-    prefill = plan_attention(table, seq_lens, torch.tensor([0, 1, 2, 4], dtype=torch.int32), block_size=4,
-                             chain=True)
+    prefill_qsl = torch.tensor([0, 1, 2, 3, 4, 6, 7], dtype=torch.int32)
+    prefill = plan_attention(table, seq_lens, prefill_qsl, block_size=4, chain=True)
     assert prefill.decode_kv is None and prefill.groups
-    windowed = plan_attention(table[1:], seq_lens[1:], qsl[:3], block_size=4, chain=True, sliding_window=8)
+    windowed = plan_attention(table[4:], seq_lens[4:], qsl[:3], block_size=4, chain=True, sliding_window=8)
     assert windowed.decode_kv is None
-    for rows in ([0, 1, 2], [1, 2]):
-        attend(loop, rows)  # still right through the groups
+    for subset in (rows, [4, 5]):
+        attend(loop, subset)  # still right through the groups
 
 
 def test_over_budget_layers_fall_back(monkeypatch):
