@@ -3,7 +3,8 @@
 For batch sizes 1, 16, 64 (``--batches``): ``B`` requests with ``--context``-token
 prompts are admitted and prefilled, then every following ``Pipeline.step()``
 is a pure decode step of ``B`` tokens, timed one by one (median of
-``--steps``). Beside it, the *GEMM-only* time of that step: the model's own
+``--rounds`` x ``--steps``, in rounds alternating with the GEMM-only timing).
+Beside it, the *GEMM-only* time of that step: the model's own
 weight matrices (fused QKV, O, fused gate-up, down per layer, plus the LM head
 on the ``B`` sampled rows), ``torch.matmul`` on a ``[B, in]`` activation in a
 loop, nothing else. ``step / GEMM`` is the pipeline's "fraction of the
@@ -12,6 +13,11 @@ sampling and bookkeeping cost nothing.
 
     python bench/gemm_limit.py --model smollm2-shape          # rows into bench/results/results.csv
     python bench/gemm_limit.py --model tiny --batches 1,16
+
+The KV pool is touched once before timing (steady state: a serving process
+has faulted its pool's pages in long ago; a fresh pool would add a page
+fault to the first write of every page, about 4 ms of a 110 ms batch-16
+step on SmolLM2).
 
 Threads: ``--threads`` (default 1) is passed to ``torch.set_num_threads``
 for both timings; one thread keeps a shared 2-core machine's numbers stable.
@@ -55,26 +61,30 @@ def gemm_only(model, batch: int, steps: int) -> list[float]:
     return times[2:]
 
 
-def decode_steps(pipe, prompts: list[list[int]], steps: int) -> list[float]:
-    """Seconds per ``Pipeline.step()`` once every request is decoding."""
+def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per ``Pipeline.step()`` once every request is decoding, and per GEMM-only
+    step, measured in alternating rounds of ``steps`` each (a shared machine's speed
+    drifts over seconds; interleaving gives both the same conditions)."""
     from servelab.samplers import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    rids = [pipe.add_request(p, params) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * steps + 8, ignore_eos=True)
+    rids = [pipe.add_request(p, params, detokenize=False) for p in prompts]
     scheduler = pipe.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        pipe.step()
-        times.append(time.perf_counter() - start)
+    times, gemms = [], []
+    for _ in range(rounds):
+        for _ in range(steps):
+            start = time.perf_counter()
+            pipe.step()
+            times.append(time.perf_counter() - start)
+        gemms += gemm_only(model, len(prompts), steps)
     for rid in rids:
         pipe.abort_request(rid)
     while pipe.has_unfinished_requests():
         pipe.step()
-    return times
+    return times, gemms
 
 
 def main() -> int:
@@ -82,7 +92,8 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-shape", help="tiny, smollm2-shape, or a checkpoint folder")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="decode steps (and GEMM-only steps) per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode and GEMM-only timing")
     parser.add_argument("--backend", default="sdpa")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
@@ -94,20 +105,24 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model, config = load_model(build(args.model, Path(tmp)))
-    max_model_len = args.context + args.steps + 64
+    max_model_len = args.context + args.rounds * args.steps + 64
     # A pool that holds the largest batch whole (the default, sized from the
     # weights, would preempt at batch 64 and time a smaller batch).
     num_blocks = max(batches) * -(-max_model_len // 16) + 1
     pipe = Pipeline(model, attention_backend=args.backend, max_num_seqs=max(batches),
                     max_num_batched_tokens=max(4096, args.context * 8), max_model_len=max_model_len,
                     enable_prefix_caching=False, block_size=16, num_blocks=num_blocks)
+    # Steady state: a serving process has long since touched every page of its
+    # pool. A fresh pool is allocated without zero-fill, so without this every
+    # first write to a page is a page fault inside the timed decode step.
+    pipe.kv_caches.buffer.zero_()
     rows, lines = [], []
     print(f"model {args.model}, backend {args.backend}, {args.threads} thread(s), context {args.context}\n")
     print("| batch | decode step ms (p50) | GEMM-only ms (p50) | step / GEMM |\n|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
-        step = percentiles(decode_steps(pipe, prompts, args.steps))
-        gemm = percentiles(gemm_only(model, batch, args.steps))
+        step_times, gemm_times = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds)
+        step, gemm = percentiles(step_times), percentiles(gemm_times)
         ratio = step[1] / gemm[1]
         print(f"| {batch} | {1e3 * step[1]:.2f} | {1e3 * gemm[1]:.2f} | {ratio:.2f} |")
         params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend,

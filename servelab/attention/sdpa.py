@@ -22,6 +22,12 @@ few padded problems, and every layer reuses that plan:
   rows (padding sits at the end of both axes, past every real row's
   diagonal) and lets the kernel skip the blocks above the diagonal.
 
+With ``plan_attention(chain=True, previous=...)`` (the model passes it when
+the backend declares ``"plan_chaining"``) a pure decode step is planned
+instead as a :class:`~servelab.attention.decode_kv.DecodeKV`: dense K/V
+buffers carried from the previous step, extended by one row per sequence,
+so consecutive decode steps of the same sequences gather nothing.
+
 For each group the plan holds the per-token gather indices of its K/V
 (``block_table[i, p // B]``, ``p % B``; positions past a sequence's end read
 the sequence's own position 0, which is real data, and are masked), the query
