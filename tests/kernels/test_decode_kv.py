@@ -25,7 +25,8 @@ from servelab.reference import paged_attention as reference_attention
 class Loop:
     """``n`` sequences in a paged cache of ``num_blocks`` blocks, float64, NaN where unused."""
 
-    def __init__(self, lens, num_q_heads, num_kv_heads, head_size, block_size, seed, num_blocks=None):
+    def __init__(self, lens, num_q_heads, num_kv_heads, head_size, block_size, seed, num_blocks=None,
+                 dtype=torch.float64):
         if num_blocks is None:  # room for every sequence to grow by 16 tokens
             num_blocks = 1 + sum(-(-(n + 16) // block_size) for n in lens)
         self.gen = torch.Generator().manual_seed(seed)
@@ -33,8 +34,8 @@ class Loop:
         self.heads = (num_q_heads, num_kv_heads, head_size)
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_size)
-        self.key_cache = torch.full(shape, float("nan"), dtype=torch.float64)
-        self.value_cache = torch.full(shape, float("nan"), dtype=torch.float64)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
         self.free = list(range(1, num_blocks))
         self.rng.shuffle(self.free)
         self.tables: list[list[int]] = [[] for _ in lens]
@@ -52,6 +53,7 @@ class Loop:
         _, num_kv_heads, head_size = self.heads
         for cache in (self.key_cache, self.value_cache):
             cache[block, offset] = torch.randn(num_kv_heads, head_size, generator=self.gen, dtype=torch.float64)
+            # (assigned into the cache's own dtype)
         self.lens[i] += 1
 
     def metadata(self, rows):
@@ -64,7 +66,7 @@ class Loop:
 
     def query(self, n):
         num_q_heads, _, head_size = self.heads
-        return torch.randn(n, num_q_heads, head_size, generator=self.gen, dtype=torch.float64)
+        return torch.randn(n, num_q_heads, head_size, generator=self.gen, dtype=torch.float64).to(self.key_cache.dtype)
 
 
 def attend(loop, rows, previous=None, chain=True):
@@ -73,8 +75,10 @@ def attend(loop, rows, previous=None, chain=True):
     plan = plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=chain, previous=previous)
     query = loop.query(len(rows))
     out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=plan)
-    expected = reference_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    expected = reference_attention(query.double(), loop.key_cache.double(), loop.value_cache.double(), table,
+                                   seq_lens, qsl)
+    tol = 1e-10 if query.dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
     fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
                             plan=plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=True))
     assert torch.equal(out, fresh), "a carried step must equal a fresh start bit for bit"
@@ -111,8 +115,31 @@ def test_rows_are_sorted_into_length_buckets(monkeypatch):
         assert plan.decode_kv.extends and plan.decode_kv.buckets == carried.buckets
 
 
-def run_loop(lens, heads, head_size, block_size, steps, seed):
-    loop = Loop(lens, *heads, head_size, block_size, seed)
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["c-kernel", "torch"])
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       heads=st.sampled_from(HEADS + [(9, 3), (16, 2), (18, 2)]), head_size=st.sampled_from([16, 32, 48]),
+       block_size=st.sampled_from([1, 4, 16]), steps=st.integers(1, 4), headroom=st.sampled_from([0, 3, 64]),
+       seed=st.integers(0, 2**16))
+def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_size, steps, headroom, seed):
+    """float32 caches: the C kernel (when buildable) and the torch formulation, each within
+    float32 rounding of the float64 reference and carried == fresh bit for bit."""
+    from servelab.attention import cpu_decode
+
+    if kernel == "1" and not cpu_decode.available():
+        pytest.skip("no C compiler: the kernel is not built")
+    lens = [max(1, min(n, 4 * min(lens))) for n in lens]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_decode.ENV_SWITCH, kernel)
+        patch.setattr(decode_kv, "HEADROOM", headroom)
+        plan = run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float32)
+    group = heads[0] // heads[1]
+    expected = kernel == "1" and group <= cpu_decode.MAX_GROUP
+    assert all(flag == expected for _, _, flag in plan.decode_kv.buffers.values())
+
+
+def run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float64):
+    loop = Loop(lens, *heads, head_size, block_size, seed, dtype=dtype)
     rows = list(range(len(lens)))
     _, plan = attend(loop, rows)
     assert plan.decode_kv is not None and not plan.decode_kv.extends
@@ -124,6 +151,7 @@ def run_loop(lens, heads, head_size, block_size, steps, seed):
         note(f"lens {loop.lens}, cap {plan.decode_kv.cap}")
         carried = max(loop.lens) <= previous.decode_kv.cap
         assert plan.decode_kv.extends == carried
+    return plan
 
 
 def test_changed_rows_start_afresh():

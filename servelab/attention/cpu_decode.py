@@ -1,0 +1,232 @@
+"""A C kernel for decode attention on a CPU, built on first use with the system compiler.
+
+The ``"sdpa"`` backend's carried decode path (:mod:`servelab.attention.decode_kv`)
+spends most of its attention time in two skinny products per KV head,
+``[G, D] x [D, len]`` and ``[G, len] x [len, D]``. ``torch.bmm`` runs them
+through batched BLAS, which on these shapes reads the context from memory at a
+fraction of the machine's copy bandwidth (SmolLM2-135M, 16 sequences of ~160
+tokens, data cold as it is in a real step: ~250 us per product and layer for
+~2 MB). ``csrc/decode_attention.c`` loads every K and V element once, in
+address order, into vector registers and reuses it for the ``G`` query heads
+of its group: ~150 us for the scores, ~130 us for the values (softmax stays
+in torch).
+
+Build. The source is compiled once per machine with ``$CC`` (default ``cc``),
+``-O3 -march=native -shared -fPIC`` (``-march=native`` dropped if the compiler
+refuses it), into ``<cache root>/kernels/`` (:func:`servelab.models.hub.cache_root`)
+under a name that hashes the source, the compiler's version, the flags and the
+CPU, and loaded with :mod:`ctypes`. No compiler, a failed build, or
+``SERVELAB_CPU_KERNELS=0`` in the environment: :func:`available` is False
+(with one warning, for a failed build) and the torch formulation runs instead;
+results differ only in float rounding (both are checked against float64).
+
+Scope: float32, contiguous CPU tensors, ``head_size % 16 == 0``,
+``1 <= group <= 8``. Single-threaded (the bmm it replaces was single-threaded
+in the benchmarks too: ``torch.set_num_threads(1)``).
+
+:func:`decode_scores` and :func:`decode_pv` check their arguments; the decode
+path calls the unchecked ``_scores`` / ``_pv`` on tensors it built itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV_SWITCH = "SERVELAB_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+LANES = 16
+MAX_GROUP = 8
+_ABI_VERSION = 1
+
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def supports(dtype: torch.dtype, head_size: int, group: int, device: torch.device) -> bool:
+    """Whether the kernel handles these shapes (and is built and enabled)."""
+    return (device.type == "cpu" and dtype == torch.float32 and head_size % LANES == 0
+            and 1 <= group <= MAX_GROUP and available())
+
+
+def available() -> bool:
+    """The kernel is enabled (``SERVELAB_CPU_KERNELS`` is not ``0``) and built; builds on first call."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return _load() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _library = _bind(ctypes.CDLL(str(_build())))
+        except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+            warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the torch "
+                          f"formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning, stacklevel=3)
+    return _library
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    """Compile :data:`SOURCE` into the cache (once per source, compiler and CPU); returns the library path."""
+    from servelab.models.hub import cache_root
+
+    compiler = os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    out_dir = cache_root() / "kernels"
+    for flags in (["-O3", "-march=native"], ["-O3"]):
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                         _cpu_id().encode()])).hexdigest()[:16]
+        target = out_dir / f"decode_attention-{key}.so"
+        if target.is_file():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # a concurrent build never sees a partial file
+            partial = Path(tmp) / target.name
+            done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial), str(SOURCE)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                os.replace(partial, target)
+                return target
+            error = done.stderr.strip().splitlines()[-1:] or ["unknown error"]
+    raise RuntimeError(f"{compiler} failed: {error[0]}")
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if lib.servelab_abi_version() != _ABI_VERSION:
+        raise RuntimeError("stale kernel library (ABI version mismatch)")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.servelab_decode_scores.argtypes = [p, p, p, p, i, i, i, i, i, i, ctypes.c_float]
+    lib.servelab_decode_scores.restype = None
+    lib.servelab_decode_pv.argtypes = [p, p, p, p, i, i, i, i, i, i]
+    lib.servelab_decode_pv.restype = None
+    return lib
+
+
+# ---- layouts --------------------------------------------------------------------------------
+
+def tile_keys(keys: torch.Tensor) -> torch.Tensor:
+    """K rows ``[H, cap, D]`` -> the kernel's tiled layout ``[H, cap/16, D, 16]`` (a copy).
+
+    Position ``l``, dimension ``d`` of head ``h`` sits at ``[h, l // 16, d, l % 16]``."""
+    heads, cap, head_size = keys.shape
+    return keys.view(heads, cap // LANES, LANES, head_size).transpose(2, 3).contiguous()
+
+
+def tiled_index(heads: torch.Tensor, position: torch.Tensor, cap: int, head_size: int) -> torch.Tensor:
+    """Flat element indices of position ``position[i]`` of head ``heads[i]`` (all ``D``
+    dimensions) in a tiled K buffer ``[H, cap/16, D, 16]``: int64 ``[len(heads) * D]``."""
+    d = torch.arange(head_size, device=heads.device)
+    base = heads * cap * head_size + (position // LANES) * head_size * LANES + position % LANES
+    return (base[:, None] + d[None, :] * LANES).flatten()
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+def _scores(q: torch.Tensor, tiles: torch.Tensor, lens: torch.Tensor, kv_per_row: int, width: int,
+            scale: float) -> torch.Tensor:
+    heads, group, head_size = q.shape
+    out = torch.empty(heads, group, width, dtype=q.dtype)
+    _library.servelab_decode_scores(q.data_ptr(), tiles.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
+                                    kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale)
+    return out
+
+
+def _pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int) -> torch.Tensor:
+    heads, group, width = p.shape
+    out = torch.empty(heads, group, values.shape[-1], dtype=p.dtype)
+    _library.servelab_decode_pv(p.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
+                                kv_per_row, group, values.shape[-1], values.shape[1], width)
+    return out
+
+
+def _check(name: str, t: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dim}-D CPU tensor, got shape {tuple(t.shape)} "
+                         f"on {t.device} (contiguous={t.is_contiguous()})")
+
+
+def _check_lens(lens: torch.Tensor, heads: int, cap: int, width: int) -> int:
+    _check("lens", lens, 1)
+    if lens.dtype != torch.int64 or lens.numel() == 0 or heads % lens.numel():
+        raise ValueError(f"lens must be int64 [rows] with heads ({heads}) a multiple of rows, got "
+                         f"{lens.dtype} {tuple(lens.shape)}")
+    low, high = int(lens.min()), int(lens.max())
+    if low < 1 or high > width or width > cap:
+        raise ValueError(f"lens must lie in [1, width] with width <= cap; got lens in [{low}, {high}], "
+                         f"width {width}, cap {cap}")
+    return heads // lens.numel()
+
+
+def decode_scores(q: torch.Tensor, tiles: torch.Tensor, lens: torch.Tensor, width: int,
+                  scale: float) -> torch.Tensor:
+    """``scale * q @ K^T`` per head, ``-inf`` past each row's length.
+
+    Args:
+        q: float32 ``[H, G, D]``; tiles: float32 ``[H, cap/16, D, 16]`` (:func:`tile_keys`);
+        lens: int64 ``[rows]``, ``H`` a multiple of ``rows`` (head ``h`` belongs to row
+        ``h // (H / rows)``), ``1 <= lens <= width <= cap``; width: columns of the result.
+
+    Returns: float32 ``[H, G, width]``.
+    """
+    _check("q", q, 3)
+    _check("tiles", tiles, 4)
+    heads, group, head_size = q.shape
+    if (q.dtype != torch.float32 or tiles.dtype != torch.float32 or head_size % LANES
+            or not 1 <= group <= MAX_GROUP or tuple(tiles.shape[::2]) != (heads, head_size)
+            or tiles.shape[3] != LANES):
+        raise ValueError(f"q must be float32 [H, G<={MAX_GROUP}, D] with D % {LANES} == 0 and tiles float32 "
+                         f"[H, cap/{LANES}, D, {LANES}]; got q {q.dtype} {tuple(q.shape)}, tiles {tiles.dtype} "
+                         f"{tuple(tiles.shape)}")
+    kv_per_row = _check_lens(lens, heads, tiles.shape[1] * LANES, width)
+    if not available():
+        raise RuntimeError(f"the C decode-attention kernel is not available (see warnings; {ENV_SWITCH})")
+    return _scores(q, tiles, lens, kv_per_row, width, float(scale))
+
+
+def decode_pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """``p @ V`` per head over each row's first ``lens`` positions.
+
+    Args:
+        p: float32 ``[H, G, width]`` (columns past a row's length are not read);
+        values: float32 ``[H, cap, D]``; lens: as in :func:`decode_scores`.
+
+    Returns: float32 ``[H, G, D]``.
+    """
+    _check("p", p, 3)
+    _check("values", values, 3)
+    heads, group, width = p.shape
+    if (p.dtype != torch.float32 or values.dtype != torch.float32 or values.shape[0] != heads
+            or values.shape[2] % LANES or values.shape[1] % LANES or not 1 <= group <= MAX_GROUP):
+        raise ValueError(f"p must be float32 [H, G<={MAX_GROUP}, width] and values float32 [H, cap, D] with "
+                         f"cap and D multiples of {LANES}; got p {p.dtype} {tuple(p.shape)}, values "
+                         f"{values.dtype} {tuple(values.shape)}")
+    kv_per_row = _check_lens(lens, heads, values.shape[1], width)
+    if not available():
+        raise RuntimeError(f"the C decode-attention kernel is not available (see warnings; {ENV_SWITCH})")
+    return _pv(p, values, lens, kv_per_row)

@@ -1,0 +1,123 @@
+/* Decode attention over dense per-head K/V on a CPU, float32.
+ *
+ * Built on first use by servelab/attention/cpu_decode.py (the system C
+ * compiler, -O3 -march=native) and called through ctypes; the PyTorch
+ * formulation in servelab/attention/decode_kv.py is the reference and the
+ * fallback. Why a kernel: a decode step's attention is two skinny products
+ * per KV head (the G query heads of a GQA group against one context),
+ * [G, D] x [D, len] and [G, len] x [len, D]. Batched BLAS calls on such
+ * shapes read a context from memory at a fraction of the copy bandwidth;
+ * here each K and V element is loaded once, in address order, and used G
+ * times from a register.
+ *
+ * Layouts (H = rows * kv_per_row heads, contiguous):
+ *   q       [H, G, D]      query heads of each KV head's group
+ *   kt      [H, cap/16, D, 16]  K in tiles of 16 positions, each tile transposed:
+ *                          position l, dimension d at ((l/16)*D + d)*16 + l%16,
+ *                          so a head's context is one sequential stream and a
+ *                          tile's 16 scores accumulate in one vector register
+ *   v       [H, cap, D]    V in rows
+ *   lens    [rows] int64   context length of each row (1 <= len <= cap)
+ *   scores  [H, G, width]  scale * q.k for l < len, -inf for len <= l < width
+ *   p       [H, G, width]  softmax of scores (read for l < len only)
+ *   out     [H, G, D]
+ * Requirements (checked by the Python side): D % 16 == 0, cap % 16 == 0,
+ * 1 <= G <= 8, len <= width <= cap.
+ *
+ * Summation order (deterministic): every dot product accumulates over d (or
+ * over l) in increasing order in one float32 lane, with fused multiply-adds
+ * where the target has them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));  /* 16 floats: zmm, 2 ymm or 4 q registers */
+#define LANES 16
+
+static inline vf load(const float* p) { vf x; memcpy(&x, p, sizeof(x)); return x; }
+static inline void store(float* p, vf x) { memcpy(p, &x, sizeof(x)); }
+static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+/* One KV head: scores of its G query heads over positions [0, len), 16 at a time,
+ * the G accumulators in registers (G is a compile-time constant per instance). */
+#define DEFINE_SCORES(G)                                                                      \
+static void scores_head_##G(const float* q, const float* kt, int64_t len, float* s,           \
+                            int64_t D, int64_t width, float scale) {                          \
+    for (int64_t l0 = 0; l0 < len; l0 += LANES) {                                             \
+        vf acc[G];                                                                            \
+        for (int g = 0; g < G; ++g) acc[g] = splat(0.0f);                                     \
+        for (int64_t d = 0; d < D; ++d) {                                                     \
+            const vf k = load(kt + l0 * D + d * LANES); /* whole tiles: cap % 16 == 0 */      \
+            for (int g = 0; g < G; ++g) acc[g] += splat(q[g * D + d]) * k;                    \
+        }                                                                                     \
+        const int64_t n = len - l0 < LANES ? len - l0 : LANES;                                \
+        for (int g = 0; g < G; ++g) {                                                         \
+            float tmp[LANES];                                                                 \
+            store(tmp, acc[g] * splat(scale));                                                \
+            memcpy(s + g * width + l0, tmp, (size_t)n * sizeof(float));                       \
+        }                                                                                     \
+    }                                                                                         \
+    for (int g = 0; g < G; ++g)                                                               \
+        for (int64_t l = len; l < width; ++l) s[g * width + l] = -INFINITY;                   \
+}
+
+/* One KV head: out[g] = sum_l p[g, l] * v[l], NV vectors of D at a time (G * NV
+ * accumulators in registers), positions in increasing order. */
+#define DEFINE_PV(G, NV)                                                                      \
+static void pv_head_##G##_##NV(const float* p, const float* v, int64_t len, float* out,       \
+                               int64_t D, int64_t width) {                                    \
+    for (int64_t d0 = 0; d0 < D; d0 += NV * LANES) {                                          \
+        vf acc[G][NV];                                                                        \
+        for (int g = 0; g < G; ++g)                                                           \
+            for (int j = 0; j < NV; ++j) acc[g][j] = splat(0.0f);                             \
+        for (int64_t l = 0; l < len; ++l) {                                                   \
+            vf x[NV];                                                                         \
+            for (int j = 0; j < NV; ++j) x[j] = load(v + l * D + d0 + j * LANES);             \
+            for (int g = 0; g < G; ++g) {                                                     \
+                const vf w = splat(p[g * width + l]);                                         \
+                for (int j = 0; j < NV; ++j) acc[g][j] += w * x[j];                           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int g = 0; g < G; ++g)                                                           \
+            for (int j = 0; j < NV; ++j) store(out + g * D + d0 + j * LANES, acc[g][j]);      \
+    }                                                                                         \
+}
+
+DEFINE_SCORES(1) DEFINE_SCORES(2) DEFINE_SCORES(3) DEFINE_SCORES(4)
+DEFINE_SCORES(5) DEFINE_SCORES(6) DEFINE_SCORES(7) DEFINE_SCORES(8)
+DEFINE_PV(1, 4) DEFINE_PV(2, 4) DEFINE_PV(3, 4) DEFINE_PV(4, 4)
+DEFINE_PV(5, 2) DEFINE_PV(6, 2) DEFINE_PV(7, 2) DEFINE_PV(8, 2)
+DEFINE_PV(1, 1) DEFINE_PV(2, 1) DEFINE_PV(3, 1) DEFINE_PV(4, 1)
+DEFINE_PV(5, 1) DEFINE_PV(6, 1) DEFINE_PV(7, 1) DEFINE_PV(8, 1)
+
+typedef void (*scores_fn)(const float*, const float*, int64_t, float*, int64_t, int64_t, float);
+typedef void (*pv_fn)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+
+static const scores_fn SCORES[8] = {scores_head_1, scores_head_2, scores_head_3, scores_head_4,
+                                    scores_head_5, scores_head_6, scores_head_7, scores_head_8};
+static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_4_4,
+                                 pv_head_5_2, pv_head_6_2, pv_head_7_2, pv_head_8_2};
+static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
+                                   pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
+
+int servelab_abi_version(void) { return 1; }
+
+void servelab_decode_scores(const float* q, const float* kt, const int64_t* lens, float* scores,
+                            int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
+                            int64_t cap, int64_t width, float scale) {
+    const scores_fn f = SCORES[group - 1];
+    for (int64_t h = 0; h < heads; ++h)
+        f(q + h * group * head_size, kt + h * head_size * cap, lens[h / kv_per_row],
+          scores + h * group * width, head_size, width, scale);
+}
+
+void servelab_decode_pv(const float* p, const float* v, const int64_t* lens, float* out,
+                        int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
+                        int64_t cap, int64_t width) {
+    const int wide = group <= 4 ? 4 : 2;
+    const pv_fn f = head_size % (wide * LANES) == 0 ? PV_WIDE[group - 1] : PV_NARROW[group - 1];
+    for (int64_t h = 0; h < heads; ++h)
+        f(p + h * group * width, v + h * cap * head_size, lens[h / kv_per_row],
+          out + h * group * head_size, head_size, width);
+}
