@@ -46,7 +46,7 @@ ENV_SWITCH = "SERVELAB_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 LANES = 16
 MAX_GROUP = 8
-_ABI_VERSION = 1
+_ABI_VERSION = 3
 
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -119,10 +119,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if lib.servelab_abi_version() != _ABI_VERSION:
         raise RuntimeError("stale kernel library (ABI version mismatch)")
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.servelab_decode_scores.argtypes = [p, p, p, p, i, i, i, i, i, i, ctypes.c_float]
+    lib.servelab_decode_scores.argtypes = [p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float]
     lib.servelab_decode_scores.restype = None
     lib.servelab_decode_pv.argtypes = [p, p, p, p, i, i, i, i, i, i]
     lib.servelab_decode_pv.restype = None
+    lib.servelab_decode_append.argtypes = [p, p, p, p, p, p, i, i, i, i]
+    lib.servelab_decode_append.restype = None
     return lib
 
 
@@ -146,12 +148,15 @@ def tiled_index(heads: torch.Tensor, position: torch.Tensor, cap: int, head_size
 
 # ---- kernels --------------------------------------------------------------------------------
 
-def _scores(q: torch.Tensor, tiles: torch.Tensor, lens: torch.Tensor, kv_per_row: int, width: int,
-            scale: float) -> torch.Tensor:
-    heads, group, head_size = q.shape
-    out = torch.empty(heads, group, width, dtype=q.dtype)
-    _library.servelab_decode_scores(q.data_ptr(), tiles.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
-                                    kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale)
+def _scores(q: torch.Tensor, row_stride: int, group: int, tiles: torch.Tensor, lens: torch.Tensor,
+            kv_per_row: int, width: int, scale: float) -> torch.Tensor:
+    """Unchecked :func:`decode_scores`. ``q``: the ``kv_per_row * group`` query heads of each
+    of the ``lens.shape[0]`` rows, ``row_stride`` elements apart (heads and dimensions
+    contiguous): a contiguous ``[H, G, D]``, or a fused QKV output's query slice ``[rows, Hq, D]``."""
+    heads, head_size = tiles.shape[0], tiles.shape[2]
+    out = torch.empty(heads, group, width, dtype=torch.float32)
+    _library.servelab_decode_scores(q.data_ptr(), row_stride, tiles.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                    heads, kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale)
     return out
 
 
@@ -161,6 +166,16 @@ def _pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: i
     _library.servelab_decode_pv(p.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
                                 kv_per_row, group, values.shape[-1], values.shape[1], width)
     return out
+
+
+def _append(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+            tiles: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy position ``lens[r] - 1`` of every row from the flattened caches ``[slots, Hk, D]``
+    (float32, contiguous; ``slots`` int64 ``[rows]``, in range) into ``tiles`` / ``values``."""
+    rows = slots.shape[0]
+    heads, cap, head_size = values.shape[0] * values.shape[1], values.shape[2], values.shape[3]
+    _library.servelab_decode_append(key_rows.data_ptr(), value_rows.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+                                    tiles.data_ptr(), values.data_ptr(), rows, heads // rows, head_size, cap)
 
 
 def _check(name: str, t: torch.Tensor, dim: int) -> None:
@@ -206,7 +221,7 @@ def decode_scores(q: torch.Tensor, tiles: torch.Tensor, lens: torch.Tensor, widt
     kv_per_row = _check_lens(lens, heads, tiles.shape[1] * LANES, width)
     if not available():
         raise RuntimeError(f"the C decode-attention kernel is not available (see warnings; {ENV_SWITCH})")
-    return _scores(q, tiles, lens, kv_per_row, width, float(scale))
+    return _scores(q, kv_per_row * group * head_size, group, tiles, lens, kv_per_row, width, float(scale))
 
 
 def decode_pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

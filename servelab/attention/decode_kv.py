@@ -119,6 +119,7 @@ class DecodeKV:
         self.bytes = sum(k.numel() * k.element_size() * 2 for k, _, _ in buffers.values())
         self._masks: dict[tuple, torch.Tensor] = {}
         self._append_index: dict[tuple, tuple] = {}
+        self._slot_range: tuple[int, int] | None = None
 
     # ---- per step (shared by every layer) -------------------------------------------------
 
@@ -191,6 +192,8 @@ class DecodeKV:
             if buffers is None:
                 return None
             self.buffers[layer] = buffers
+        elif buffers[2] and self._direct_append(flat_k, flat_v, compute):
+            cpu_decode._append(flat_k, flat_v, self.new_slots, self.row_lens, buffers[0], buffers[1])
         else:
             dense_k, dense_v, kernel = buffers
             for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
@@ -203,23 +206,34 @@ class DecodeKV:
         q = query.to(compute)
         if self.order is not None:
             q = q.index_select(0, self.order)
-        q = q.reshape(n * num_kv_heads, group, head_size)  # head h = kv head h // G
         if buffers[2]:
-            out = self._attend_kernel(q, buffers, scale)
-        else:
-            out = self._attend_torch(q, buffers, scale)
+            out = self._attend_kernel(q, buffers, scale, num_kv_heads)
+        else:  # head h of [n * Hk, G, D] = kv head h // G
+            out = self._attend_torch(q.reshape(n * num_kv_heads, group, head_size), buffers, scale)
         out = out.reshape(n, num_heads, head_size)  # the torch path's is transposed: a copy
         return out if self.inverse is None else out.index_select(0, self.inverse)
 
-    def _attend_kernel(self, q: torch.Tensor, buffers: tuple, scale: float) -> torch.Tensor:
-        """``[n * Hk, G, D]`` queries -> ``[n * Hk, G, D]`` through the C kernel (one call per product)."""
+    def _direct_append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype) -> bool:
+        """Whether the C kernel may copy the new rows straight from these caches: float32,
+        contiguous, every new slot inside them (checked once per step: the C side trusts it)."""
+        if self._slot_range is None:
+            self._slot_range = (int(self.new_slots.min()), int(self.new_slots.max()))
+        low, high = self._slot_range
+        return (flat_k.dtype == compute and flat_v.dtype == compute and flat_k.is_contiguous()
+                and flat_v.is_contiguous() and low >= 0 and high < min(flat_k.shape[0], flat_v.shape[0]))
+
+    def _attend_kernel(self, q: torch.Tensor, buffers: tuple, scale: float, num_kv_heads: int) -> torch.Tensor:
+        """``[n, Hq, D]`` queries -> ``[n * Hk, G, D]`` through the C kernel (one call per product).
+        The queries are read in place when only their rows are strided (a fused QKV slice)."""
         tiles, values = buffers[0], buffers[1]
-        heads, head_size = q.shape[0], q.shape[2]
-        kv_per_row = heads // self.row_lens.shape[0]
-        scores = cpu_decode._scores(q.contiguous(), tiles.view(heads, -1, head_size, cpu_decode.LANES),
-                                    self.row_lens, kv_per_row, self.max_len, scale)
+        n, num_heads, head_size = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_size:
+            q = q.contiguous()
+        heads, group = n * num_kv_heads, num_heads // num_kv_heads
+        scores = cpu_decode._scores(q, q.stride(0), group, tiles.view(heads, -1, head_size, cpu_decode.LANES),
+                                    self.row_lens, num_kv_heads, self.max_len, scale)
         return cpu_decode._pv(torch.softmax(scores, dim=-1), values.view(heads, self.cap, head_size),
-                              self.row_lens, kv_per_row)
+                              self.row_lens, num_kv_heads)
 
     def _attend_torch(self, q: torch.Tensor, buffers: tuple, scale: float) -> torch.Tensor:
         """``[n * Hk, G, D]`` queries -> ``[n * Hk, G, D]``, bucket by bucket with torch ops."""

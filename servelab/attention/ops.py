@@ -33,12 +33,18 @@ def reshape_and_cache(
     identical call was checked."""
     if check_inputs:
         check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=True)
-    n = slot_mapping.shape[0]
-    if n == 0:
+    if slot_mapping.shape[0] == 0:
         return
-    slots, rows = _prepared_slots(slot_mapping)
-    key, value = key[:n], value[:n]
-    if rows is not None:  # padding rows skipped
+    write_prepared(key, value, key_cache, value_cache, *prepare_slots(slot_mapping))
+
+
+def write_prepared(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slots: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """The write of :func:`reshape_and_cache` with the slots of :func:`prepare_slots` (no checks):
+    the model prepares them once per step and writes every layer with this."""
+    if rows is None:
+        key, value = key[: slots.shape[0]], value[: slots.shape[0]]
+    else:  # padding rows skipped
         key, value = key[rows], value[rows]
     for src, cache in ((key, key_cache), (value, value_cache)):
         num_blocks, block_size = cache.shape[:2]
@@ -50,7 +56,7 @@ def reshape_and_cache(
             cache.index_put_((slots // block_size, slots % block_size), src)
 
 
-def _prepared_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prepare_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int64 slots without the ``-1`` rows, and the kept row indices (``None``: all kept)."""
     slots, rows = slot_mapping.long(), None
     if bool((slots < 0).any()):  # padding rows (one host read; free for CPU tensors)

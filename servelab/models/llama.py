@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.attention import ops as attention_ops
+from servelab.attention.backends import AttentionBackend
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
@@ -81,14 +83,13 @@ class _StepAttention:
 
     def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int, *, check_values: bool = True,
                  chain: bool = False, previous_plans: dict[int | None, Any] | None = None) -> None:
-        from servelab.attention.backends import AttentionBackend
-
         self.ops, self.metadata, self.block_size = ops, metadata, block_size
         self.check_values = check_values
         self.is_backend = isinstance(ops, AttentionBackend)
         self.chain, self.previous_plans = chain, previous_plans or {}
         self.plans: dict[int | None, Any] = {}
         self.checked_write = False
+        self.prepared_slots: tuple | None = None  # (int64 slots, kept rows) for the default writer
         self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -107,9 +108,13 @@ class _StepAttention:
         if not self.is_backend:
             return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
         if self.checked_write:
+            if self.prepared_slots is not None:  # the default writer: slots prepared once per step
+                return attention_ops.write_prepared(key, value, key_cache, value_cache, *self.prepared_slots)
             return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False)
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=self.check_values)
         self.checked_write = True
+        if type(self.ops)._reshape_and_cache is AttentionBackend._reshape_and_cache and slots.shape[0]:
+            self.prepared_slots = attention_ops.prepare_slots(slots)
 
     def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
         m = self.metadata

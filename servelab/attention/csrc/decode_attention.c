@@ -11,7 +11,7 @@
  * times from a register.
  *
  * Layouts (H = rows * kv_per_row heads, contiguous):
- *   q       [H, G, D]      query heads of each KV head's group
+ *   q       [rows, Hk, G, D]  query heads of each KV head's group (rows may be strided)
  *   kt      [H, cap/16, D, 16]  K in tiles of 16 positions, each tile transposed:
  *                          position l, dimension d at ((l/16)*D + d)*16 + l%16,
  *                          so a head's context is one sequential stream and a
@@ -21,6 +21,8 @@
  *   scores  [H, G, width]  scale * q.k for l < len, -inf for len <= l < width
  *   p       [H, G, width]  softmax of scores (read for l < len only)
  *   out     [H, G, D]
+ *   key_rows, value_rows [slots, Hk, D]  a layer's paged cache, flattened
+ *   slots   [rows] int64   the cache slot of each row's newest position, lens[r] - 1
  * Requirements (checked by the Python side): D % 16 == 0, cap % 16 == 0,
  * 1 <= G <= 8, len <= width <= cap.
  *
@@ -101,14 +103,17 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 1; }
+int servelab_abi_version(void) { return 3; }
 
-void servelab_decode_scores(const float* q, const float* kt, const int64_t* lens, float* scores,
-                            int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
+/* q_row_stride: elements between the queries of consecutive rows (kv_per_row * group *
+ * head_size when q is contiguous; more when q is a slice of a fused QKV output). */
+void servelab_decode_scores(const float* q, int64_t q_row_stride, const float* kt, const int64_t* lens,
+                            float* scores, int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
                             int64_t cap, int64_t width, float scale) {
     const scores_fn f = SCORES[group - 1];
     for (int64_t h = 0; h < heads; ++h)
-        f(q + h * group * head_size, kt + h * head_size * cap, lens[h / kv_per_row],
+        f(q + (h / kv_per_row) * q_row_stride + (h % kv_per_row) * group * head_size,
+          kt + h * head_size * cap, lens[h / kv_per_row],
           scores + h * group * width, head_size, width, scale);
 }
 
@@ -120,4 +125,22 @@ void servelab_decode_pv(const float* p, const float* v, const int64_t* lens, flo
     for (int64_t h = 0; h < heads; ++h)
         f(p + h * group * width, v + h * cap * head_size, lens[h / kv_per_row],
           out + h * group * head_size, head_size, width);
+}
+
+/* Append each row's newest position (lens[r] - 1) from the paged cache into the
+ * dense buffers: a pure copy, one call instead of two gathers and two scatters. */
+void servelab_decode_append(const float* key_rows, const float* value_rows, const int64_t* slots,
+                            const int64_t* lens, float* tiles, float* values, int64_t rows,
+                            int64_t kv_per_row, int64_t head_size, int64_t cap) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = lens[r] - 1;
+        const float* k = key_rows + slots[r] * kv_per_row * head_size;
+        const float* v = value_rows + slots[r] * kv_per_row * head_size;
+        for (int64_t j = 0; j < kv_per_row; ++j) {
+            const int64_t h = r * kv_per_row + j;
+            float* tile = tiles + h * cap * head_size + (pos / LANES) * head_size * LANES + pos % LANES;
+            for (int64_t d = 0; d < head_size; ++d) tile[d * LANES] = k[j * head_size + d];
+            memcpy(values + (h * cap + pos) * head_size, v + j * head_size, (size_t)head_size * sizeof(float));
+        }
+    }
 }
