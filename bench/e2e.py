@@ -324,7 +324,8 @@ def main() -> int:
                         help="Poisson arrivals per second (64: above capacity, so throughput measures the engine)")
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--no-rss", action="store_true")
-    parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
+    parser.add_argument("--no-record", action="store_true",
+                        help="print only: no rows in results.csv, no report file unless --out is given")
     parser.add_argument("--out", default=None, help="markdown file (default bench/results/<date>-e2e-cpu.md)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -350,7 +351,8 @@ def main() -> int:
     import datetime
 
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{datetime.date.today()}-e2e-cpu.md"
-    out.write_text(text + "\n")
+    if args.out or not args.no_record:  # an exploratory --no-record run leaves the saved report alone
+        out.write_text(text + "\n")
     if not args.no_record:
         from results_io import append_rows, make_row
 
