@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -50,6 +51,7 @@ _ABI_VERSION = 3
 
 _library: ctypes.CDLL | None = None
 _tried = False
+_lock = threading.Lock()
 
 
 def supports(dtype: torch.dtype, head_size: int, group: int, device: torch.device) -> bool:
@@ -67,13 +69,17 @@ def available() -> bool:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
-    if not _tried:
-        _tried = True
-        try:
-            _library = _bind(ctypes.CDLL(str(_build())))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-            warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the torch "
-                          f"formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning, stacklevel=3)
+    if _tried:
+        return _library
+    with _lock:  # one build per process, even when two threads start decoding at once
+        if not _tried:
+            try:
+                _library = _bind(ctypes.CDLL(str(_build())))
+            except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+                warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the "
+                              f"torch formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning,
+                              stacklevel=3)
+            _tried = True
     return _library
 
 

@@ -12,8 +12,9 @@ sequences read the same context plus one token.
 the compute dtype (``cap`` >= the longest context, with headroom). The next
 step of the *same* sequences (same rows, same block-table prefix, every
 context one token longer, contexts within ``cap``) appends the one new K/V
-row per sequence from the cache (two tiny copies) instead of gathering
-everything again; any other step starts afresh with one gather.
+row per sequence from the cache (one C call, or a gather and a scatter per
+buffer) instead of gathering everything again; any other step starts afresh
+with one gather.
 
 Attention over the buffers has two implementations, chosen per layer:
 
@@ -192,17 +193,8 @@ class DecodeKV:
             if buffers is None:
                 return None
             self.buffers[layer] = buffers
-        elif buffers[2] and self._direct_append(flat_k, flat_v, compute):
-            cpu_decode._append(flat_k, flat_v, self.new_slots, self.row_lens, buffers[0], buffers[1])
         else:
-            dense_k, dense_v, kernel = buffers
-            for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
-                                                   (dense_k, dense_v), (flat_k, flat_v)):
-                new = flat.index_select(0, self.new_slots).to(compute)  # [n, Hk, D]
-                if rows:
-                    buffer.view(-1, head_size).index_copy_(0, index, new.view(-1, head_size))
-                else:
-                    buffer.view(-1).index_copy_(0, index, new.view(-1))
+            self._append(flat_k, flat_v, buffers, compute)
         q = query.to(compute)
         if self.order is not None:
             q = q.index_select(0, self.order)
@@ -212,6 +204,22 @@ class DecodeKV:
             out = self._attend_torch(q.reshape(n * num_kv_heads, group, head_size), buffers, scale)
         out = out.reshape(n, num_heads, head_size)  # the torch path's is transposed: a copy
         return out if self.inverse is None else out.index_select(0, self.inverse)
+
+    def _append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, buffers: tuple, compute: torch.dtype) -> None:
+        """Copy every row's newest position (``len - 1``) from the flattened caches
+        ``[N * B, Hk, D]`` into the layer's buffers: one C call when the kernel's layout and
+        the caches allow it, else a gather and a scatter per buffer."""
+        dense_k, dense_v, kernel = buffers
+        if kernel and self._direct_append(flat_k, flat_v, compute):
+            return cpu_decode._append(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
+        num_kv_heads, head_size = flat_k.shape[1:]
+        for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
+                                               (dense_k, dense_v), (flat_k, flat_v)):
+            new = flat.index_select(0, self.new_slots).to(compute)  # [n, Hk, D]
+            if rows:
+                buffer.view(-1, head_size).index_copy_(0, index, new.view(-1, head_size))
+            else:
+                buffer.view(-1).index_copy_(0, index, new.view(-1))
 
     def _direct_append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype) -> bool:
         """Whether the C kernel may copy the new rows straight from these caches: float32,
