@@ -426,8 +426,19 @@ def paged_attention(
         return_lse=return_lse, num_splits=num_splits, interpreted=INTERPRETED,
         num_sms=sm_count(query.device),
     )
-    seq_lens = seq_lens.contiguous()
-    query_start_loc = query_start_loc.contiguous()
+    _launch(plan, query, key_cache, value_cache, block_table, seq_lens.contiguous(), query_start_loc.contiguous(),
+            out, lse, scale, softcap, sliding_window, max_context)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["AttentionTiles", "LaunchPlan", "choose_num_splits", "choose_tiles", "paged_attention", "plan_launch"]
+
+
+def _launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, lse, scale,
+            softcap, sliding_window, max_context) -> None:
+    """Run :func:`paged_attention`'s planned launch: the attention kernel into ``out`` / ``lse``
+    (``lse`` may be ``None``), or with split-KV into float32 workspaces merged by the combine kernel."""
+    num_tokens, num_q_heads, head_size = query.shape
     splits = plan.num_splits
     if splits > 1:  # partials go to float32 workspaces, merged below
         target = torch.empty((splits, num_tokens, num_q_heads, head_size), dtype=torch.float32, device=query.device)
@@ -443,7 +454,7 @@ def paged_attention(
         block_table, seq_lens, query_start_loc,
         # A window wider than anything the table can address changes nothing;
         # clamping keeps it an int32.
-        num_seqs, scale, float(softcap or 1.0), min(int(sliding_window or 1), max_context + 1),
+        seq_lens.shape[0], scale, float(softcap or 1.0), min(int(sliding_window or 1), max_context + 1),
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
         *out_strides, *lse_strides, *block_table.stride(),
         **plan.attention_constants, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
@@ -455,7 +466,3 @@ def paged_attention(
             *(lse.stride() if lse is not None else (0, 0)),
             **plan.combine_constants, num_warps=4 if head_size > 64 else 1,
         )
-    return (out, lse) if return_lse else out
-
-
-__all__ = ["AttentionTiles", "LaunchPlan", "choose_num_splits", "choose_tiles", "paged_attention", "plan_launch"]

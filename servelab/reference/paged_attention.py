@@ -66,43 +66,20 @@ def paged_attention(
         out=out, num_splits=num_splits, check_values=check_inputs,
     )
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    num_tokens, num_q_heads, head_size = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    num_tokens, num_q_heads, _ = query.shape
+    group = num_q_heads // key_cache.shape[2]
     result = torch.empty(query.shape, dtype=compute_dtype, device=query.device)
     lse = torch.empty((num_tokens, num_q_heads), dtype=compute_dtype, device=query.device)
 
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[i], starts[i + 1]
-        query_len = q_end - q_begin
-        if query_len == 0:
+        if q_end == q_begin:
             continue
-        context_len = seq_len - query_len
-        # Gather: the blocks this sequence uses, flattened to token order.
-        blocks = block_table[i, : -(-seq_len // block_size)].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
-        # GQA: query head h reads KV head h // group.
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+        k, v = _gather_sequence(key_cache, value_cache, block_table[i], seq_len, group, compute_dtype)
         q = query[q_begin:q_end].to(compute_dtype)
-
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        query_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]
-        key_pos = torch.arange(seq_len, device=query.device)[None, :]
-        visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device)
-        if causal:
-            visible &= key_pos <= query_pos
-        if sliding_window is not None:
-            visible &= query_pos - key_pos < sliding_window
-        # Every row sees at least its own position, so no row is fully masked.
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
-        lse[q_begin:q_end] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+        result[q_begin:q_end], lse[q_begin:q_end] = _attend_sequence(
+            q, k, v, seq_len - (q_end - q_begin), scale, causal, sliding_window, softcap)
 
     if out is None:
         out = torch.empty_like(query)
@@ -111,3 +88,36 @@ def paged_attention(
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         return out, lse.to(lse_dtype)
     return out
+
+
+def _gather_sequence(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks_row: torch.Tensor, seq_len: int,
+                     group: int, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V ``[seq_len, num_q_heads, head_size]`` in token order, each KV
+    head repeated for the ``group`` query heads that read it (query head ``h`` -> KV head ``h // group``)."""
+    block_size, num_kv_heads, head_size = key_cache.shape[1:]
+    blocks = blocks_row[: -(-seq_len // block_size)].long()
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
+                     causal: bool, sliding_window: int | None,
+                     softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[query_len, H, D]`` at positions ``context_len + t`` over ``k`` / ``v``
+    ``[seq_len, H, D]``: ``(out [query_len, H, D], lse [query_len, H])``, mask built explicitly."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    query_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]
+    visible = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= query_pos - key_pos < sliding_window
+    # Every row sees at least its own position, so no row is fully masked.
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v), torch.logsumexp(scores, dim=-1).transpose(0, 1)
