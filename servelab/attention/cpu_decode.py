@@ -25,7 +25,8 @@ Scope: float32, contiguous CPU tensors, ``head_size % 16 == 0``,
 in the benchmarks too: ``torch.set_num_threads(1)``).
 
 :func:`decode_scores` and :func:`decode_pv` check their arguments; the decode
-path calls the unchecked ``_scores`` / ``_pv`` on tensors it built itself.
+path calls the unchecked ``_scores`` / ``_pv`` / ``_append`` on tensors it
+built itself (the new rows' cache slots are range-checked once per step).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from servelab._internal.attention_checks import _positive_finite, _require_ndim, _require_tensor
+from servelab._internal.validation import check_int
 
 ENV_SWITCH = "SERVELAB_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
@@ -184,12 +188,11 @@ def _append(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tenso
                                     tiles.data_ptr(), values.data_ptr(), rows, heads // rows, head_size, cap)
 
 
-def _check(name: str, t: torch.Tensor, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dim or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {dim}-D CPU tensor, got shape {tuple(t.shape)} "
-                         f"on {t.device} (contiguous={t.is_contiguous()})")
+def _check(name: str, t: object, dim: int) -> None:
+    _require_ndim(name, _require_tensor(name, t), dim, "tensor")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous CPU tensor, got one on {t.device} "
+                         f"(contiguous={t.is_contiguous()})")
 
 
 def _check_lens(lens: torch.Tensor, heads: int, cap: int, width: int) -> int:
@@ -224,10 +227,12 @@ def decode_scores(q: torch.Tensor, tiles: torch.Tensor, lens: torch.Tensor, widt
         raise ValueError(f"q must be float32 [H, G<={MAX_GROUP}, D] with D % {LANES} == 0 and tiles float32 "
                          f"[H, cap/{LANES}, D, {LANES}]; got q {q.dtype} {tuple(q.shape)}, tiles {tiles.dtype} "
                          f"{tuple(tiles.shape)}")
+    width = check_int("width", width, min_value=1)
+    scale = _positive_finite("scale", scale)
     kv_per_row = _check_lens(lens, heads, tiles.shape[1] * LANES, width)
     if not available():
         raise RuntimeError(f"the C decode-attention kernel is not available (see warnings; {ENV_SWITCH})")
-    return _scores(q, kv_per_row * group * head_size, group, tiles, lens, kv_per_row, width, float(scale))
+    return _scores(q, kv_per_row * group * head_size, group, tiles, lens, kv_per_row, width, scale)
 
 
 def decode_pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

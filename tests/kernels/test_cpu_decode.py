@@ -93,11 +93,14 @@ def test_tiled_layout_and_append_index():
 @pytest.mark.parametrize("change, match", [
     (lambda a: a.update(q=a["q"].double()), "q must be float32"),
     (lambda a: a.update(q=a["q"].transpose(1, 2)), "q must be a contiguous"),
+    (lambda a: a.update(q=a["q"][0]), "q must be 3-D"),
     (lambda a: a.update(q=torch.randn(6, 9, 64)), "G<=8"),
     (lambda a: a.update(lens=a["lens"].int()), "lens must be int64"),
     (lambda a: a.update(lens=torch.tensor([0, 3, 5])), "lens must lie in"),
     (lambda a: a.update(width=64), "width <= cap"),
     (lambda a: a.update(tiles=[1, 2]), "tiles must be a torch.Tensor"),
+    (lambda a: a.update(scale=float("nan")), "scale must be finite"),
+    (lambda a: a.update(width=1.5), "width"),
 ])
 def test_scores_argument_errors(change, match):
     q, keys, _, _ = make(3, 2, 3, 64, 48, seed=2)
