@@ -13,7 +13,7 @@ in torch).
 
 Build. The source is compiled once per machine with ``$CC`` (default ``cc``),
 ``-O3 -march=native -shared -fPIC`` (``-march=native`` dropped if the compiler
-refuses it), into ``<cache root>/kernels/`` (:func:`servelab.models.hub.cache_root`)
+refuses it), into ``<cache root>/kernels/`` (:func:`servelab._internal.paths.cache_root`)
 under a name that hashes the source, the compiler's version, the flags and the
 CPU, and loaded with :mod:`ctypes`. No compiler, a failed build, or
 ``SERVELAB_CPU_KERNELS=0`` in the environment: :func:`available` is False
@@ -43,6 +43,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from servelab._internal.paths import cache_root
 
 from servelab._internal.attention_checks import _positive_finite, _require_ndim, _require_tensor
 from servelab._internal.validation import check_int
@@ -99,8 +101,6 @@ def _cpu_id() -> str:
 
 def _build() -> Path:
     """Compile :data:`SOURCE` into the cache (once per source, compiler and CPU); returns the library path."""
-    from servelab.models.hub import cache_root
-
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")

