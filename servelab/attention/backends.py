@@ -58,11 +58,13 @@ from typing import Any
 import torch
 
 from servelab._internal.registry import Registry
+from servelab._internal.tree_mask import TreeMask
 
 __all__ = [
     "AttentionBackend",
     "AttentionCapabilities",
     "SdpaAttentionBackend",
+    "TreeMask",
     "TritonAttentionBackend",
     "UnsupportedInputError",
     "available_attention_backends",
@@ -89,7 +91,8 @@ class AttentionCapabilities:
             time by :meth:`AttentionBackend.device_problem`).
         features: optional features implemented, among ``"causal"`` (and
             non-causal), ``"gqa"``, ``"sliding_window"``, ``"softcap"``,
-            ``"split_kv"``, ``"return_lse"``, ``"plan_chaining"`` (:meth:`AttentionBackend.plan`
+            ``"split_kv"``, ``"return_lse"``, ``"tree"`` (a :class:`~servelab.attention.TreeMask`:
+            token trees verified in one step), ``"plan_chaining"`` (:meth:`AttentionBackend.plan`
             takes ``chain`` / ``previous``). Asking for ``sliding_window``,
             ``softcap`` or ``return_lse`` without the feature is refused.
     """
@@ -142,6 +145,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         softcap: float | None = None,
         return_lse: bool = False,
+        tree_mask: bool = False,
     ) -> str | None:
         """``None`` if this backend can run attention on these inputs, else the reason.
 
@@ -165,7 +169,7 @@ class AttentionBackend(ABC):
                 if block_size < low or (high is not None and block_size > high):
                     return f"backend {self.name!r} supports block sizes {low}..{high or 'any'}, got {block_size}"
         wanted = {"sliding_window": sliding_window is not None, "softcap": softcap is not None,
-                  "return_lse": bool(return_lse)}
+                  "return_lse": bool(return_lse), "tree": tree_mask is not None and tree_mask is not False}
         for feature, asked in wanted.items():
             if asked and feature not in caps.features:
                 return f"backend {self.name!r} does not implement {feature}"
@@ -194,6 +198,9 @@ class AttentionBackend(ABC):
         carry work from it (the ``"sdpa"`` backend carries decode K/V:
         :mod:`servelab.attention.decode_kv`). A plan may then hold state
         that is only valid for the next forward of the same model.
+
+        A step verifying token trees passes ``tree_mask=`` (a
+        :class:`~servelab.attention.TreeMask`) to backends declaring ``"tree"``.
         """
         return None
 
@@ -203,6 +210,7 @@ class AttentionBackend(ABC):
         scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
         softcap: float | None = None, out: torch.Tensor | None = None, num_splits: int | None = None,
         return_lse: bool = False, check_inputs: bool = True, plan: Any | None = None,
+        tree_mask: Any | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of a mixed batch over the paged cache: ``[T, Hq, D]`` in the
         query's dtype, or ``(out, lse float32 [T, Hq])`` with ``return_lse``.
@@ -211,16 +219,20 @@ class AttentionBackend(ABC):
         (row ``t`` of sequence ``i`` sits at position ``seq_len - query_len + t``
         and sees keys ``j <= p``, ``p - j < sliding_window``; scores times
         ``scale``, default ``D ** -0.5``); ``plan`` is this backend's
-        :meth:`plan` for the same metadata.
+        :meth:`plan` for the same metadata (made with the same ``tree_mask``);
+        ``tree_mask`` a :class:`~servelab.attention.TreeMask` or None (backends
+        declaring the ``"tree"`` feature).
         """
         if isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor):
             self._refuse_unsupported(query, key_cache, sliding_window=sliding_window, softcap=softcap,
-                                     return_lse=return_lse)
+                                     return_lse=return_lse, tree_mask=tree_mask is not None)
         kwargs: dict[str, Any] = dict(scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
                                       out=out, num_splits=num_splits, return_lse=return_lse,
                                       check_inputs=check_inputs)
         if plan is not None:
             kwargs["plan"] = plan
+        if tree_mask is not None:
+            kwargs["tree_mask"] = tree_mask
         return self._paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -248,7 +260,8 @@ class AttentionBackend(ABC):
     def _paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The backend's attention; ``kwargs`` as :meth:`paged_attention`'s (``plan`` only if planned)."""
+        """The backend's attention; ``kwargs`` as :meth:`paged_attention`'s (``plan`` only if planned,
+        ``tree_mask`` only when there is one)."""
 
     def _reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, **kwargs) -> None:
         from servelab.attention.ops import reshape_and_cache
@@ -264,7 +277,7 @@ class AttentionBackend(ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-ALL_FEATURES = frozenset({"causal", "sliding_window", "softcap", "gqa", "return_lse"})
+ALL_FEATURES = frozenset({"causal", "sliding_window", "softcap", "gqa", "return_lse", "tree"})
 ANY_DEVICE = ("cpu", "cuda", "mps", "xpu")
 ALL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -280,14 +293,14 @@ class SdpaAttentionBackend(AttentionBackend):
     name = "sdpa"
     capabilities = AttentionCapabilities(
         dtypes=ALL_DTYPES, device_types=ANY_DEVICE,
-        features=frozenset({"causal", "sliding_window", "gqa", "plan_chaining"}))
+        features=frozenset({"causal", "sliding_window", "gqa", "plan_chaining", "tree"}))
 
     def plan(self, block_table, seq_lens, query_start_loc, *, block_size, causal=True, sliding_window=None,
-             chain=False, previous=None):
+             chain=False, previous=None, tree_mask=None):
         from servelab.attention.sdpa import plan_attention
 
         return plan_attention(block_table, seq_lens, query_start_loc, block_size=block_size, causal=causal,
-                              sliding_window=sliding_window, chain=chain, previous=previous)
+                              sliding_window=sliding_window, chain=chain, previous=previous, tree_mask=tree_mask)
 
     def _paged_attention(self, *args, **kwargs):
         from servelab.attention.sdpa import paged_attention

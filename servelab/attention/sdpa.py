@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab._internal.attention_checks import check_paged_attention_args
+from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 from servelab.attention.decode_kv import DecodeKV, plan_decode_kv
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -107,6 +108,7 @@ class AttentionPlan:
     sliding_window: int | None
     groups: list[_Group]
     decode_kv: DecodeKV | None = None  # a pure decode step's carried K/V (``plan_attention(chain=True)``)
+    tree: bool = False  # planned with a TreeMask (token trees: gathered path, never carried K/V)
     _deferred: tuple | None = None  # arguments to plan ``groups`` on first need (a decode_kv plan)
 
     def gather_groups(self) -> list[_Group]:
@@ -119,7 +121,8 @@ class AttentionPlan:
 
 def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
                    block_size: int, causal: bool = True, sliding_window: int | None = None,
-                   chain: bool = False, previous: AttentionPlan | None = None) -> AttentionPlan:
+                   chain: bool = False, previous: AttentionPlan | None = None,
+                   tree_mask: TreeMask | None = None) -> AttentionPlan:
     """Split a step into its decode and prefill groups (see the module docstring).
 
     Args:
@@ -134,10 +137,17 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
             forward, which must have completed with nothing writing the
             caches since (the model checks); its carried K/V is extended when
             the step continues the same sequences.
+        tree_mask: token trees at the end of the sequences (see
+            :mod:`servelab._internal.tree_mask`): folded into the groups'
+            masks. A tree step always takes the gathered path (its sequences
+            have several query rows, so it is never a carried decode step).
     """
     lens = seq_lens.long()
     starts = query_start_loc.long()
     num_tokens = int(starts[-1]) if starts.numel() else 0
+    if tree_mask is not None:
+        groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window, tree_mask)
+        return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups, tree=True)
     if chain and causal and sliding_window is None and num_tokens == lens.shape[0] > 0:
         carried = plan_decode_kv(block_table, lens, block_size, previous.decode_kv if previous else None)
         if carried is not None:
@@ -149,7 +159,7 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
 
 
 def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
-                 causal: bool, sliding_window: int | None) -> list[_Group]:
+                 causal: bool, sliding_window: int | None, tree_mask: TreeMask | None = None) -> list[_Group]:
     device = lens.device
     q_lens = starts[1:] - starts[:-1]
     groups = []
@@ -161,10 +171,11 @@ def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Te
         q_host, kv_host = q_lens[members].tolist(), lens[members].tolist()
         for bucket in bucket_sequences(q_host, kv_host, overhead=costs):
             index = members if len(bucket) == len(q_host) else members[torch.tensor(bucket, device=device)]
-            fresh = (not decoding and causal and sliding_window is None
+            fresh = (not decoding and causal and sliding_window is None and tree_mask is None
                      and all(q_host[i] == kv_host[i] for i in bucket))
+            tree = None if tree_mask is None else (tree_mask.ancestors, tree_mask.tree_lens.long()[index])
             groups.append(_plan_group(block_table.index_select(0, index).long(), lens[index], starts[index],
-                                      q_lens[index], block_size, causal, sliding_window, device, fresh))
+                                      q_lens[index], block_size, causal, sliding_window, device, fresh, tree))
     # Every sequence decodes one token in one bucket (the bulk of a serving
     # loop): the queries are the rows in order, the output needs no scatter.
     if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
@@ -224,7 +235,9 @@ def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
 
 def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
                 block_size: int, causal: bool, window: int | None, device: torch.device,
-                fresh: bool = False) -> _Group:
+                fresh: bool = False, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> _Group:
+    """One bucket's gather indices and mask; ``tree``: (ancestors int64 ``[T]``, the
+    bucket's tree lengths int64 ``[n]``) of a :class:`TreeMask`."""
     max_q, max_kv = int(q_lens.max()), int(lens.max())
     kv_pos = torch.arange(max_kv, device=device)
     in_seq = kv_pos[None, :] < lens[:, None]  # [n, max_kv]
@@ -242,6 +255,9 @@ def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q
             allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
         if window is not None:
             allowed = allowed & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+        if tree is not None:
+            ancestors = tree[0].to(device)[q_index]  # [n, max_q]
+            allowed = allowed & tree_visible(ancestors, kv_pos[None, :], lens - tree[1])
         allowed = allowed.contiguous()
     if max_q == 1:
         out_src, out_dst = None, q_index[:, 0]
@@ -255,11 +271,11 @@ def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q
 
 
 def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size: int, causal: bool,
-                sliding_window: int | None) -> None:
-    got = (plan.num_tokens, plan.num_seqs, plan.block_size, plan.causal, plan.sliding_window)
-    want = (num_tokens, num_seqs, block_size, causal, sliding_window)
+                sliding_window: int | None, tree: bool = False) -> None:
+    got = (plan.num_tokens, plan.num_seqs, plan.block_size, plan.causal, plan.sliding_window, plan.tree)
+    want = (num_tokens, num_seqs, block_size, causal, sliding_window, tree)
     if got != want:
-        raise ValueError(f"plan was made for (num_tokens, num_seqs, block_size, causal, sliding_window)={got}, "
+        raise ValueError(f"plan was made for (num_tokens, num_seqs, block_size, causal, sliding_window, tree)={got}, "
                          f"but this call has {want}; call plan_attention with this step's metadata")
 
 
@@ -317,13 +333,15 @@ def paged_attention(
     return_lse: bool = False,
     check_inputs: bool = True,
     plan: AttentionPlan | None = None,
+    tree_mask: TreeMask | None = None,
 ) -> torch.Tensor:
     """Same signature and semantics as :func:`servelab.reference.paged_attention`
     (query ``[T, Hq, D]``, caches ``[N, B, Hk, D]``, int32 metadata; returns
     ``[T, Hq, D]`` in the query's dtype), without ``softcap`` and
     ``return_lse``; ``plan`` is :func:`plan_attention` of this step's metadata
     (made here when ``None``). With a ``plan`` and ``check_inputs=False`` no
-    argument is checked at all (the caller checked an identical call)."""
+    argument is checked at all (the caller checked an identical call). ``tree_mask``: token
+    trees, as in the reference (the plan must have been made with it)."""
     if softcap is not None:
         raise ValueError(f"softcap={softcap!r}: the sdpa backend cannot cap scores; use 'torch' or 'triton'")
     if return_lse:
@@ -339,11 +357,15 @@ def paged_attention(
             scale=scale, causal=causal, sliding_window=sliding_window, softcap=None,
             out=out, num_splits=num_splits, check_values=check_inputs,
         )
+        if tree_mask is not None:
+            check_tree_mask(tree_mask, query.shape[0], seq_lens, query_start_loc, sliding_window=sliding_window,
+                            check_values=check_inputs)
     if plan is None:
         plan = plan_attention(block_table, seq_lens, query_start_loc, block_size=block_size, causal=causal,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window, tree_mask=tree_mask)
     else:
-        _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window)
+        _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window,
+                    tree_mask is not None)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     if plan.decode_kv is not None:
         attn = plan.decode_kv.attend(query, key_cache, value_cache, scale, compute)

@@ -16,6 +16,10 @@ How it works
   block size works and K/V may be arbitrarily strided views. The loop stops
   at the last position a causal row can see and starts at the first tile the
   sliding window reaches. Online softmax in base 2, float32 statistics.
+* **Token trees** (``USE_TREE``, a :class:`~servelab.attention.TreeMask`): each
+  query row carries an int64 ancestor bitmap; a key among its sequence's last
+  ``tree_lens[seq]`` positions is visible only if its bit is set. The causal
+  bound still limits the loop (a node's ancestors precede it).
 * **Split-KV (flash-decoding)**: with ``num_splits = S > 1`` each program
   handles ``1/S`` of its KV tiles and writes a normalised float32 partial and
   its log-sum-exp; a second small kernel merges the ``S`` partials exactly.
@@ -42,6 +46,7 @@ from servelab.kernels._triton_utils import (
     sm_count,
 )
 from servelab._internal.attention_checks import check_paged_attention_args
+from servelab._internal.tree_mask import TreeMask, check_tree_mask
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_SIZE = 256
@@ -79,7 +84,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tree_ancestors_ptr, tree_lens_ptr,
     num_seqs, scale, softcap, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -91,7 +96,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, FP32_IEEE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, FP32_IEEE: tl.constexpr, USE_TREE: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,6 +119,9 @@ def _paged_attention_kernel(
     row_pos = context_len + row_token
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD_SIZE
+    if USE_TREE:  # this sequence's tree keys start here; each row's bitmap of visible nodes
+        tree_start = seq_len - tl.load(tree_lens_ptr + seq)
+        row_bits = tl.load(tree_ancestors_ptr + q_begin + row_token, mask=row_valid, other=0)
 
     q_offsets = (q_begin + row_token)[:, None] * stride_qt + row_head[:, None] * stride_qh
     q = tl.load(q_ptr + q_offsets + dims[None, :] * stride_qd,
@@ -171,6 +179,10 @@ def _paged_attention_kernel(
             visible = visible & (kv_pos[None, :] <= row_pos[:, None])
         if USE_WINDOW:
             visible = visible & (row_pos[:, None] - kv_pos[None, :] < window)
+        if USE_TREE:
+            node = kv_pos - tree_start
+            bit = (row_bits[:, None] >> tl.maximum(node, 0).to(tl.int64)[None, :]) & 1
+            visible = visible & ((node < 0)[None, :] | (bit != 0))
         scores = tl.where(visible, scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -330,6 +342,7 @@ def plan_launch(
     *, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
     block_size: int, max_context: int, dtype: torch.dtype, causal: bool, sliding_window: int | None,
     softcap: float | None, return_lse: bool, num_splits: int | None, interpreted: bool, num_sms: int,
+    tree: bool = False,
 ) -> LaunchPlan:
     """Pick tiles and split count and derive the kernels' constexprs and grids."""
     group = num_q_heads // num_kv_heads
@@ -344,7 +357,7 @@ def plan_launch(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n,
         NUM_SPLITS=num_splits, CAUSAL=causal, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, STORE_LSE=num_splits > 1 or return_lse,
-        DOT_IN_FP32=dot_in_fp32(dtype, interpreted), FP32_IEEE=dtype == torch.float32,
+        DOT_IN_FP32=dot_in_fp32(dtype, interpreted), FP32_IEEE=dtype == torch.float32, USE_TREE=tree,
     )
     # A few heads per combine program on a GPU (plenty of programs); all heads
     # of a token under the interpreter, where each program costs milliseconds.
@@ -380,6 +393,7 @@ def paged_attention(
     num_splits: int | None = None,
     return_lse: bool = False,
     check_inputs: bool = True,
+    tree_mask: TreeMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of a mixed batch in one Triton launch (two with split-KV).
 
@@ -394,6 +408,8 @@ def paged_attention(
         return_lse: also return the float32 ``[num_tokens, num_q_heads]``
             natural-log log-sum-exp of the scores.
         check_inputs: run the checks that read tensor contents (one host sync).
+        tree_mask: token trees at the end of the sequences, as in the reference
+            (:class:`~servelab.attention.TreeMask`; causal, no window).
     """
     scale = check_paged_attention_args(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
@@ -410,6 +426,9 @@ def paged_attention(
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"query head_size {head_size} exceeds the kernel's maximum {MAX_HEAD_SIZE}")
     require_launchable("query", query, _paged_attention_kernel)
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, num_tokens, seq_lens, query_start_loc, sliding_window=sliding_window,
+                        check_values=check_inputs)
 
     if out is None:
         out = torch.empty_like(query)
@@ -424,10 +443,10 @@ def paged_attention(
         head_size=head_size, block_size=block_size, max_context=max_context,
         dtype=query.dtype, causal=causal, sliding_window=sliding_window, softcap=softcap,
         return_lse=return_lse, num_splits=num_splits, interpreted=INTERPRETED,
-        num_sms=sm_count(query.device),
+        num_sms=sm_count(query.device), tree=tree_mask is not None,
     )
     _launch(plan, query, key_cache, value_cache, block_table, seq_lens.contiguous(), query_start_loc.contiguous(),
-            out, lse, scale, softcap, sliding_window, max_context)
+            out, lse, scale, softcap, sliding_window, max_context, tree_mask)
     return (out, lse) if return_lse else out
 
 
@@ -435,7 +454,7 @@ __all__ = ["AttentionTiles", "LaunchPlan", "choose_num_splits", "choose_tiles", 
 
 
 def _launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, lse, scale,
-            softcap, sliding_window, max_context) -> None:
+            softcap, sliding_window, max_context, tree_mask=None) -> None:
     """Run :func:`paged_attention`'s planned launch: the attention kernel into ``out`` / ``lse``
     (``lse`` may be ``None``), or with split-KV into float32 workspaces merged by the combine kernel."""
     num_tokens, num_q_heads, head_size = query.shape
@@ -449,9 +468,12 @@ def _launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_st
         out_strides = (0, *out.stride())
         lse_strides = (0, *lse.stride()) if lse is not None else (0, 0, 0)
 
+    # Without a tree the two pointers are never read (USE_TREE=False): any int tensors do.
+    tree_ancestors, tree_lens = (tree_mask.ancestors.contiguous(), tree_mask.tree_lens.contiguous()) \
+        if tree_mask is not None else (seq_lens, seq_lens)
     _paged_attention_kernel[plan.grid](
         query, key_cache, value_cache, target, target_lse,
-        block_table, seq_lens, query_start_loc,
+        block_table, seq_lens, query_start_loc, tree_ancestors, tree_lens,
         # A window wider than anything the table can address changes nothing;
         # clamping keeps it an int32.
         seq_lens.shape[0], scale, float(softcap or 1.0), min(int(sliding_window or 1), max_context + 1),

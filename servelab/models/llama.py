@@ -119,16 +119,17 @@ class _StepAttention:
     def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
         m = self.metadata
         args = (query, key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc)
+        tree = {} if getattr(m, "tree_mask", None) is None else {"tree_mask": m.tree_mask}  # token trees
         if not self.is_backend:
             extra = {} if sliding_window is None else {"sliding_window": sliding_window}
-            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra)
+            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra, **tree)
         if sliding_window not in self.plans:
             chaining = {"chain": True, "previous": self.previous_plans.get(sliding_window)} if self.chain else {}
             self.plans[sliding_window] = self.ops.plan(m.block_table, m.seq_lens, m.query_start_loc,
                                                        block_size=self.block_size, causal=True,
-                                                       sliding_window=sliding_window, **chaining)
+                                                       sliding_window=sliding_window, **chaining, **tree)
         plan = self.plans[sliding_window]
-        extra = {} if plan is None else {"plan": plan}
+        extra = dict(tree) if plan is None else {"plan": plan, **tree}
         if sliding_window not in self.checked_read:
             self.checked_read.add(sliding_window)
             return self.ops.paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,

@@ -15,7 +15,7 @@ new keys/values are written to ``slot_mapping`` (``-1`` = padding, skipped).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,12 +33,17 @@ class AttentionMetadata:
             *including* this step's, so ``context_len = seq_len - query_len``.
         query_start_loc: int32 ``[num_seqs + 1]`` — cumulative query lengths;
             ``query_start_loc[-1]`` must equal ``T``.
+        tree_mask: None, or a :class:`~servelab.attention.TreeMask` (token
+            trees being verified: the last ``tree_lens[i]`` keys of sequence
+            ``i`` are tree nodes, seen only by the query rows whose ancestor
+            bitmap has their bit).
     """
 
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    tree_mask: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -50,7 +55,9 @@ class AttentionMetadata:
         return self.query_start_loc[1:].long() - 1
 
     def to(self, device: torch.device | str) -> "AttentionMetadata":
-        return AttentionMetadata(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved = {name: value if value is None else value.to(device) for name, value in moved.items()}
+        return AttentionMetadata(**moved)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from servelab._internal.attention_checks import check_paged_attention_args
+from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 
 
 def paged_attention(
@@ -28,6 +29,7 @@ def paged_attention(
     num_splits: int | None = None,
     return_lse: bool = False,
     check_inputs: bool = True,
+    tree_mask: TreeMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a mixed batch (decodes, chunked and fresh prefills) over a paged KV cache.
 
@@ -56,6 +58,11 @@ def paged_attention(
             float64 input), for merging partial attentions.
         check_inputs: run the checks that read tensor contents (block ids in
             range, ``seq_lens >= query_len``...). Shape/dtype checks always run.
+        tree_mask: None, or a :class:`~servelab.attention.TreeMask`: token trees
+            at the end of the sequences (the last ``tree_lens[i]`` keys of
+            sequence ``i``); a query row sees a tree key only if its
+            ``ancestors`` bitmap has the key's bit (see
+            :mod:`servelab._internal.tree_mask`). Causal only, no window.
 
     Returns:
         ``out`` (``query``'s shape and dtype), or ``(out, lse)`` with ``return_lse``.
@@ -65,6 +72,11 @@ def paged_attention(
         scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
         out=out, num_splits=num_splits, check_values=check_inputs,
     )
+    tree_lens = None
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, query.shape[0], seq_lens, query_start_loc, sliding_window=sliding_window,
+                        check_values=check_inputs)
+        tree_lens = tree_mask.tree_lens.tolist()
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     num_tokens, num_q_heads, _ = query.shape
     group = num_q_heads // key_cache.shape[2]
@@ -78,8 +90,9 @@ def paged_attention(
             continue
         k, v = _gather_sequence(key_cache, value_cache, block_table[i], seq_len, group, compute_dtype)
         q = query[q_begin:q_end].to(compute_dtype)
+        tree = None if tree_lens is None else (tree_mask.ancestors[q_begin:q_end], seq_len - tree_lens[i])
         result[q_begin:q_end], lse[q_begin:q_end] = _attend_sequence(
-            q, k, v, seq_len - (q_end - q_begin), scale, causal, sliding_window, softcap)
+            q, k, v, seq_len - (q_end - q_begin), scale, causal, sliding_window, softcap, tree)
 
     if out is None:
         out = torch.empty_like(query)
@@ -102,10 +115,11 @@ def _gather_sequence(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks_
 
 
 def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float,
-                     causal: bool, sliding_window: int | None,
-                     softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal: bool, sliding_window: int | None, softcap: float | None,
+                     tree: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``[query_len, H, D]`` at positions ``context_len + t`` over ``k`` / ``v``
-    ``[seq_len, H, D]``: ``(out [query_len, H, D], lse [query_len, H])``, mask built explicitly."""
+    ``[seq_len, H, D]``: ``(out [query_len, H, D], lse [query_len, H])``, mask built explicitly.
+    ``tree``: the rows' ancestor bitmaps int64 ``[query_len]`` and the first tree key position."""
     query_len, seq_len = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if softcap is not None:
@@ -117,6 +131,8 @@ def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
         visible &= key_pos <= query_pos
     if sliding_window is not None:
         visible &= query_pos - key_pos < sliding_window
+    if tree is not None:
+        visible &= tree_visible(tree[0].to(q.device), key_pos[0], tree[1])
     # Every row sees at least its own position, so no row is fully masked.
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

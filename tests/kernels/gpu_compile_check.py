@@ -72,6 +72,8 @@ def attention_cases():
                                                 dtype=torch.float32), {}
     yield "decode bf16 MQA group 32 h256", dict(base, num_tokens=8, num_seqs=8, max_context=8192, num_kv_heads=1,
                                                 head_size=256), {}
+    yield "tree verify bf16 h64 (token-tree mask)", dict(base, num_tokens=8 * 33, num_seqs=8, max_context=4096,
+                                                          head_size=64, tree=True), {}
 
 
 def main() -> int:
@@ -92,7 +94,8 @@ def main() -> int:
         element = TRITON_TYPES[shape["dtype"]]
         pointers = dict(q_ptr=element, k_cache_ptr=element, v_cache_ptr=element,
                         out_ptr="fp32" if plan.num_splits > 1 else element, lse_ptr="fp32",
-                        block_table_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32")
+                        block_table_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32",
+                        tree_ancestors_ptr="i64", tree_lens_ptr="i32")
         scalars = dict(scale="fp32", softcap="fp32")
         constants = dict(plan.attention_constants, **specialised)
         attempt(f"attention: {name} {plan.tiles} splits={plan.num_splits}", lambda: compile_kernel(

@@ -1,6 +1,6 @@
 """Token trees for speculative decoding: structure, attention mask, and the ``"tree"`` verifier.
 
-A :class:`TokenTree` holds draft tokens and parent indices (``-1`` = child of
+A :class:`~servelab.samplers.draft_tree.DraftTree` (also exported as ``TokenTree``) holds draft tokens and parent indices (``-1`` = child of
 the root, the last committed token; ``parents[n] < n``). One target forward
 pass over ``[root, node_0, ..., node_{N-1}]`` with the tree attention mask
 gives every node's next-token distribution; the verifiers
@@ -10,24 +10,24 @@ gives every node's next-token distribution; the verifiers
 :class:`TreeVerifier` is the registered ``"tree"`` verifier. Its
 :meth:`~TreeVerifier.verify` takes the chains every drafter proposes today (a
 chain is a one-branch tree, and verifying it this way is exactly rejection
-sampling); :meth:`~TreeVerifier.verify_trees` takes real trees. No built-in
-drafter proposes trees yet, and the pipeline's runner schedules chains only:
-tree drafting needs a drafter that returns a :class:`TokenTree` and a runner
-step that feeds the tree with :func:`tree_attention_mask`.
+sampling); :meth:`~TreeVerifier.verify_trees` takes real trees, which the
+model runner schedules when a drafter proposes one (``"ngram_tree"``,
+``"layer_skip"`` with ``tree=True``, ``"draft_model"`` with ``tree=``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from servelab._internal.draft_layout import check_tree_batch
 from servelab._internal.sampling_checks import check_draft_batch
+from servelab.samplers.draft_tree import DraftTree, tree_attention_mask
 from servelab.samplers.verifiers.tree_verify import TreeVerifyOutput, verify_tree_greedy, verify_tree_stochastic
 
 __all__ = [
+    "DraftTree",
     "TokenTree",
     "TreeVerifier",
     "TreeVerifyOutput",
@@ -37,125 +37,8 @@ __all__ = [
 ]
 
 
-def _check_parents(parents: Sequence[int]) -> tuple[int, ...]:
-    out = []
-    for node, parent in enumerate(parents):
-        if not isinstance(parent, int) or isinstance(parent, bool):
-            raise TypeError(f"parents[{node}] must be an int, got {type(parent).__name__}")
-        if not -1 <= parent < node:
-            raise ValueError(f"parents[{node}] = {parent}; valid: -1 (root) or a node index in [0, {node})")
-        out.append(parent)
-    return tuple(out)
-
-
-def tree_attention_mask(
-    parents: Sequence[int] | torch.Tensor, context_len: int = 0, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Bool ``[N + 1, context_len + N + 1]`` attention mask of a token tree (True = may attend).
-
-    Layout: query row 0 is the root, row ``n + 1`` is node ``n``. Columns
-    ``[0, context_len)`` are the tokens already in the KV cache (every row sees
-    them); column ``context_len + j`` is tree slot ``j`` (0 = root, ``n + 1`` =
-    node ``n``). A tree slot sees itself and its ancestors only, so every node
-    attends to exactly the prefix it was drafted after. The query at slot ``j``
-    sits at position ``context_len + depth(j)`` (see :meth:`TokenTree.positions`).
-    """
-    if isinstance(parents, torch.Tensor):
-        parents = [int(p) for p in parents.tolist()]
-    parents = _check_parents(parents)
-    if not isinstance(context_len, int) or isinstance(context_len, bool) or context_len < 0:
-        raise ValueError(f"context_len = {context_len!r}; valid: an int >= 0")
-    num_slots = len(parents) + 1
-    tree_mask = torch.eye(num_slots, dtype=torch.bool)
-    tree_mask[:, 0] = True  # everybody sees the root
-    for node, parent in enumerate(parents):  # parents come first: copy their rows
-        if parent >= 0:
-            tree_mask[node + 1] |= tree_mask[parent + 1]
-    context = torch.ones(num_slots, context_len, dtype=torch.bool)
-    return torch.cat([context, tree_mask], dim=1).to(device)
-
-
-@dataclass(frozen=True)
-class TokenTree:
-    """Draft tokens arranged as a tree (node ``n``: ``token_ids[n]``, parent ``parents[n]``)."""
-
-    token_ids: tuple[int, ...]
-    parents: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.token_ids) != len(self.parents):
-            raise ValueError(
-                f"token_ids has {len(self.token_ids)} nodes but parents {len(self.parents)}; give one parent per node"
-            )
-        for node, token_id in enumerate(self.token_ids):
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-                raise ValueError(f"token_ids[{node}] = {token_id!r}; valid: an int token id >= 0")
-        object.__setattr__(self, "token_ids", tuple(self.token_ids))
-        object.__setattr__(self, "parents", _check_parents(self.parents))
-
-    @classmethod
-    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TokenTree:
-        """A trie of candidate continuations: shared prefixes become shared nodes.
-
-        Nodes are numbered in order of first appearance, so siblings keep the
-        order of the paths they came from (earlier paths are tried first).
-        """
-        token_ids: list[int] = []
-        parents: list[int] = []
-        child_of: dict[tuple[int, int], int] = {}
-        for path in paths:
-            parent = -1
-            for token_id in path:
-                key = (parent, token_id)
-                if key not in child_of:
-                    child_of[key] = len(token_ids)
-                    token_ids.append(token_id)
-                    parents.append(parent)
-                parent = child_of[key]
-        return cls(tuple(token_ids), tuple(parents))
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def depths(self) -> tuple[int, ...]:
-        """Depth of each node (children of the root have depth 1)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return tuple(depths)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths, default=0)
-
-    def children(self, node: int) -> list[int]:
-        """Children of ``node`` (``-1`` = root), in the order verification tries them."""
-        return [child for child, parent in enumerate(self.parents) if parent == node]
-
-    def path_to(self, node: int) -> list[int]:
-        """Token ids from the root's first child down to ``node``."""
-        tokens: list[int] = []
-        while node >= 0:
-            tokens.append(self.token_ids[node])
-            node = self.parents[node]
-        return tokens[::-1]
-
-    def positions(self, start_position: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """int64 ``[N + 1]``: position of each tree slot when the root sits at ``start_position``."""
-        return torch.tensor([start_position, *(start_position + d for d in self.depths)], device=device)
-
-    def attention_mask(self, context_len: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
-        """See :func:`tree_attention_mask`."""
-        return tree_attention_mask(self.parents, context_len, device)
-
-    def as_tensors(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(draft_token_ids [1, N], parents [N])`` for the batch verifiers."""
-        return (
-            torch.tensor([self.token_ids], dtype=torch.int64, device=device).view(1, -1),
-            torch.tensor(self.parents, dtype=torch.int64, device=device),
-        )
+TokenTree = DraftTree
+"""The former name of :class:`~servelab.samplers.draft_tree.DraftTree` (the same class)."""
 
 
 class TreeVerifier:
