@@ -2,7 +2,9 @@
 
 Token trees (speculative decoding) are verified in one step: sequence ``i``'s
 last ``tree_lens[i]`` keys are tree nodes (node ``n`` at key position
-``seq_len - tree_lens[i] + n``), laid out after the context and the root. A
+``seq_len - tree_lens[i] + n``), laid out after the context and the root
+(a drafter growing a tree level by level has the earlier levels in its
+cache already: only the newest nodes are query rows). A
 query row sees, besides what the causal rule gives it, only the tree nodes
 whose bit is set in its ``ancestors`` bitmap (itself and its ancestors). Rows
 outside the tree (the root, a chunk of known tokens) have bitmap 0 and are
@@ -52,10 +54,9 @@ def check_tree_mask(tree_mask: object, num_tokens: int, seq_lens: torch.Tensor, 
         raise ValueError(f"tree_mask.tree_lens must be int32 [{num_seqs}], got "
                          f"{getattr(lens, 'dtype', type(lens).__name__)} {tuple(getattr(lens, 'shape', ()))}")
     if check_values and num_seqs:
-        query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(lens.device)
-        if bool(((lens < 0) | (lens > 64) | (lens > query_lens)).any()):
-            raise ValueError(f"tree_mask.tree_lens = {lens.tolist()}; valid: 0..64 and at most each query length "
-                             "(the tree nodes are this step's last query rows)")
+        if bool(((lens < 0) | (lens > 64) | (lens > seq_lens.to(lens.device))).any()):
+            raise ValueError(f"tree_mask.tree_lens = {lens.tolist()}; valid: 0..64 and at most each sequence's "
+                             "length (the tree nodes are its last keys)")
 
 
 def tree_visible(ancestors: torch.Tensor, key_pos: torch.Tensor, tree_start: torch.Tensor | int) -> torch.Tensor:

@@ -171,6 +171,8 @@ class HybridModelRunner(ModelRunner):
     no releases; the window mask never reads them).
     """
 
+    supports_draft_trees = False  # grouped metadata carries no tree mask: trees arrive as their first branch
+
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, groups: Sequence[KVCacheGroup],
                  max_model_len: int, **kwargs: Any) -> None:
         super().__init__(model, kv_caches, block_size, max_model_len=max_model_len, **kwargs)

@@ -59,7 +59,9 @@ import torch
 
 from servelab.models import AttentionMetadata
 from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
+from servelab.pipeline.tree_steps import TreeSteps
 from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
+from servelab.samplers.draft_tree import DraftTree
 from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
 from servelab.samplers.verifiers import get_verifier
 from servelab.scheduling import ModelRunnerOutput, SchedulerOutput
@@ -81,10 +83,12 @@ class CachedRequestState:
     """Blocks in each KV-cache group's row (:class:`~servelab.pipeline.hybrid.HybridModelRunner`)."""
     draft_probs: torch.Tensor | None = None
     """Draft distributions ``[k, draft_vocab]`` of the drafts proposed last step (draft model)."""
+    draft_tree: DraftTree | None = None
+    """The token tree of the drafts proposed last step (None: a chain); see :mod:`~servelab.pipeline.tree_steps`."""
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
-class ModelRunner(SamplingSteps):
+class ModelRunner(SamplingSteps, TreeSteps):
     """Runs the model for the scheduler.
 
     Args:
@@ -161,7 +165,7 @@ class ModelRunner(SamplingSteps):
         state = self.requests.get(req_id)
         if state is not None and state.row >= 0:
             self._free_rows.append(state.row)
-            state.row, state.num_blocks, state.draft_probs = -1, 0, None
+            state.row, state.num_blocks, state.draft_probs, state.draft_tree = -1, 0, None, None
         if self.drafter is not None:
             release_quietly(self.drafter.release, req_id)
         return state
@@ -207,7 +211,7 @@ class ModelRunner(SamplingSteps):
                 if state.row < 0:
                     state.row = self._take_row()
                 state.token_ids = list(cached.resumed_token_ids[rid])
-                state.draft_probs = None
+                state.draft_probs, state.draft_tree = None, None
                 self._set_blocks(state, cached.new_block_ids[i], append=False)
             elif cached.new_block_ids[i]:
                 self._set_blocks(state, cached.new_block_ids[i], append=True)
@@ -219,8 +223,31 @@ class ModelRunner(SamplingSteps):
         """Mask ``logits`` (fp32 ``[R, V]``: plain rows, then each verified request's
         ``d + 1`` rows) with every constrained request's grammar, before sampling."""
         rows = [(batch[i][0].req_id, ()) for i in plain]
-        rows += [(batch[i][0].req_id, spec[batch[i][0].req_id][:d]) for i, d in verify]
+        any_tree = False
+        for i, d in verify:
+            state = batch[i][0]
+            tree = self._scheduled_tree(state, d)
+            if tree is None:
+                rows.append((state.req_id, spec[state.req_id][:d]))
+            else:  # one entry per tree slot (its path); only each entry's last row is kept
+                rows += self._tree_grammar_rows(state.req_id, tree)
+                any_tree = True
         bitmask, grammar_errors = self.structured.fill_bitmasks(rows)
+        if bitmask is not None and any_tree:
+            slot_rows, start = [], 0
+            for i in plain:
+                slot_rows.append(start)
+                start += 1
+            for i, d in verify:
+                tree = self._scheduled_tree(batch[i][0], d)
+                if tree is None:
+                    slot_rows += range(start, start + d + 1)
+                    start += d + 1
+                else:
+                    tree_rows = self._tree_grammar_rows(batch[i][0].req_id, tree)
+                    slot_rows += [start + r for r in self._tree_bitmask_rows(tree_rows)]
+                    start += sum(len(path) + 1 for _, path in tree_rows)
+            bitmask = bitmask[torch.tensor(slot_rows)]
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask.to(logits.device))
         errors.update(grammar_errors)
@@ -266,6 +293,9 @@ class ModelRunner(SamplingSteps):
             seq = np.repeat(np.arange(num), qlen)
             positions = np.arange(qsl[-1]) - qsl[:-1][seq] + ctx_a[seq]
         meta = self._attention_metadata(np.array(rows, np.int64), seq, positions, ctx_a + qlen, qsl)
+        tree = self._tree_layout(batch, qsl, positions) if spec and len(ids) != num else None
+        if tree is not None:  # token trees: depth-based RoPE positions (slots stay consecutive), a tree mask
+            positions, meta.tree_mask = tree
         device = self.device
         if device.type != "cpu":
             meta = meta.to(device)

@@ -166,6 +166,10 @@ class SamplingSteps:
         for _, d in verify:
             starts.append(total)
             total += d + 1
+        trees = [e for e, (i, d) in enumerate(verify) if self._scheduled_tree(batch[i][0], d) is not None]
+        if trees:  # token trees: their own verification (pipeline/tree_steps.py)
+            self._verify_trees(batch, verify, trees, logits, starts, total, sampled, logprobs, errors)
+        chains = [e for e in range(len(verify)) if e not in set(trees)]
 
         def call(entries: list[int]) -> list[Any]:
             rows, row_states, row_outputs, drafts_flat, num_drafts, states = [], [], [], [], [], []
@@ -195,10 +199,10 @@ class SamplingSteps:
                 raise ValueError(f"the verifier returned {len(out)} rows for {len(entries)} requests")
             return [self._check_verified(row, spec[s.req_id][:d]) for row, s, d in zip(out, states, num_drafts)]
 
-        results = call_isolated(call, list(range(len(verify))), lambda e: batch[verify[e][0]][0].req_id, errors,
-                                "draft verification (the sampler's compute_probs or the verifier)")
+        results = call_isolated(call, chains, lambda e: batch[verify[e][0]][0].req_id, errors,
+                                "draft verification (the sampler's compute_probs or the verifier)") if chains else []
         raw = None
-        for e, toks in enumerate(results):
+        for e, toks in zip(chains, results):
             i, d = verify[e]
             state = batch[i][0]
             state.draft_probs = None
@@ -252,9 +256,8 @@ class SamplingSteps:
 
         proposals = call_isolated(call, asks, lambda a: a[1].req_id, errors, "the drafter")
         for (i, state, k), proposal in zip(asks, proposals):
-            if proposal is not None:
-                spec_out[i] = list(proposal.token_ids[:k])
-                state.draft_probs = proposal.probs
+            if proposal is not None:  # a tree is remembered here; the scheduler sees its nodes as drafts
+                spec_out[i], state.draft_tree, state.draft_probs = self._as_proposed(proposal, k)
         return spec_out
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from servelab.samplers.draft_tree import DraftTree
 from servelab.samplers.params import SamplingParams
 from servelab.samplers.processors import LogitsProcessor
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DraftProposal",
     "DraftRequest",
+    "DraftTree",
     "Drafter",
     "LogitsProcessor",
     "LogprobsOutput",
@@ -163,6 +165,13 @@ class Verifier(Protocol):
         drafts), then exactly one recovered or bonus token, then ``-1``.
         Invalid probabilities (NaN, negative, a row without mass) raise
         ``ValueError`` naming the argument.
+
+        Token trees: a verifier that also has ``verify_trees(draft_token_ids
+        [B, N], parents [B, N], target_probs [B, N + 1, V], draft_probs
+        [B, N, V] | None, *, greedy, generators) -> TreeVerifyOutput`` (the
+        ``"tree"``, ``"rejection"`` and ``"typical"`` verifiers) gets the
+        trees drafters propose; for one without it the runner keeps each
+        tree's first branch and calls ``verify``.
         """
         ...
 
@@ -172,15 +181,37 @@ class Verifier(Protocol):
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """``token_ids``: the drafts; ``probs``: float ``[len(token_ids), vocab]`` they were drawn from, or None."""
+    """``token_ids``: the drafts; ``probs``: float ``[len(token_ids), vocab]`` they were drawn from, or None.
+
+    ``parents``: None for a chain (the default), or one parent per draft: the
+    drafts are then the nodes of a :class:`~servelab.samplers.draft_tree.DraftTree`
+    (``parents[n] < n``, ``-1`` = child of the last token), ``probs`` row ``n``
+    the distribution node ``n`` was drawn from (its parent's). Build one with
+    :meth:`from_tree`; the node count is bounded by ``DraftRequest.k`` (the
+    node budget) and by :data:`~servelab.samplers.draft_tree.MAX_TREE_NODES`.
+    """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: Sequence[int] | None = None
+
+    @classmethod
+    def from_tree(cls, tree: DraftTree, probs: torch.Tensor | None = None) -> DraftProposal:
+        """A proposal of ``tree``'s nodes (a chain-shaped tree stays a tree: the runner treats both alike)."""
+        return cls(list(tree.token_ids), probs, tuple(tree.parents))
+
+    @property
+    def tree(self) -> DraftTree:
+        """The proposal as a :class:`~servelab.samplers.draft_tree.DraftTree` (a chain when ``parents`` is None)."""
+        if self.parents is None:
+            return DraftTree.chain(self.token_ids)
+        return DraftTree(tuple(self.token_ids), tuple(self.parents))
 
 
 class DraftRequest(NamedTuple):
     """One request to draft for: its id, full history (prompt + output), how
-    many drafts at most, and its sampling params (None or greedy: argmax drafts)."""
+    many drafts at most (for a tree: how many nodes), and its sampling params
+    (None or greedy: argmax drafts)."""
 
     req_id: str
     token_ids: Sequence[int]
@@ -209,7 +240,10 @@ class Drafter(ABC):
 
     A proposal may be shorter than ``k`` (even empty). ``probs``, when given,
     is float ``[len(token_ids), V]``: what the drafts were drawn from, which
-    rejection sampling needs to stay exact; None means one-hot.
+    rejection sampling needs to stay exact; None means one-hot. A proposal may
+    be a token tree (``DraftProposal.from_tree``): ``k`` then bounds its nodes,
+    the runner verifies it with the verifier's ``verify_trees`` and, for a
+    verifier without one, keeps only its first branch (a chain).
     """
 
     @abstractmethod

@@ -91,7 +91,7 @@ def test_tree_mask_changes_the_result():
 
 def test_tree_mask_is_validated():
     case = build_case([3], [6], num_q_heads=2, num_kv_heads=1, head_size=8, block_size=4, dtype=torch.float32)
-    bad = TreeMask(torch.zeros(3, dtype=torch.int64), torch.tensor([4], dtype=torch.int32))  # 4 nodes > 3 rows
+    bad = TreeMask(torch.zeros(3, dtype=torch.int64), torch.tensor([7], dtype=torch.int32))  # 7 nodes > 6 keys
     with pytest.raises(ValueError, match="tree_lens"):
         reference_attention(*case.args(), tree_mask=bad)
     with pytest.raises(ValueError, match="sliding_window"):

@@ -7,11 +7,17 @@ here. The registry names the built-in drafters:
 - ``"ngram"``: :class:`~servelab.samplers.drafters.NgramDrafter` (options ``min_n``, ``max_n``);
 - ``"draft_model"``: a small model with its own paged KV cache
   (:class:`~servelab.samplers.drafters.DraftModelDrafter`; options ``path``, ``dtype``,
-  ``device``, ``attention``, ``block_size``, ``num_blocks``).
+  ``device``, ``attention``, ``block_size``, ``num_blocks``, ``tree`` (None: a chain;
+  ``"static"`` or ``"dynamic"``: a top-k token tree), ``tree_width``);
+- ``"ngram_tree"``: several prompt-lookup continuations merged into a token tree
+  (:class:`~servelab.samplers.drafters.NgramTreeDrafter`; ``min_n``, ``max_n``, ``max_branches``);
+- ``"layer_skip"``: self-speculation with the target's own first layers and LM head
+  (:class:`~servelab.samplers.drafters.LayerSkipDrafter`; built by the pipeline with
+  the target model; options ``num_layers``, ``tree``, ``tree_width``).
 
 :func:`get_drafter` also takes a checkpoint folder path (a folder with a
-``config.json``): the draft-model drafter loaded from it. None of the built-in
-drafters proposes token *trees*; the ``"tree"`` verifier verifies their chains.
+``config.json``): the draft-model drafter loaded from it. A proposal may be a
+token tree (:class:`~servelab.samplers.draft_tree.DraftTree`, ``DraftProposal.from_tree``).
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ from typing import Any
 import torch
 
 from servelab._internal.registry import Registry
+from servelab.samplers.draft_tree import MAX_TREE_NODES, DraftTree, check_parents
 from servelab.samplers.interfaces import Drafter, DraftProposal, DraftRequest
 
 __all__ = [
     "DraftProposal",
     "DraftRequest",
+    "DraftTree",
     "Drafter",
     "available_drafters",
     "check_drafter",
@@ -50,6 +58,8 @@ def check_drafter(obj: object) -> None:
 _DRAFTERS: Registry[Drafter] = Registry("drafter", factory=True, check=check_drafter)
 _DRAFTERS.register("ngram", "servelab.samplers.drafters.ngram:NgramDrafter")
 _DRAFTERS.register("draft_model", "servelab.samplers.drafters.draft_model:load_draft_model_drafter")
+_DRAFTERS.register("ngram_tree", "servelab.samplers.drafters.ngram_tree:NgramTreeDrafter")
+_DRAFTERS.register("layer_skip", "servelab.samplers.drafters.layer_skip:LayerSkipDrafter")
 
 
 def register_drafter(name: str, obj: Any, *, override: bool = False) -> None:
@@ -106,7 +116,8 @@ def check_proposals(requests: Sequence[DraftRequest], proposals: object, vocab_s
 
     One :class:`DraftProposal` per request, at most ``k`` token ids each, all
     in ``[0, vocab_size)``, ``probs`` None or float ``[len(token_ids), V]``
-    with ``V <= vocab_size``. Raises ``TypeError`` / ``ValueError`` naming the
+    with ``V <= vocab_size``, ``parents`` None or a valid tree over the drafts
+    (one per draft, ``-1 <= parents[n] < n``, at most ``MAX_TREE_NODES``). Raises ``TypeError`` / ``ValueError`` naming the
     request; the caller fails the requests of that call.
     """
     if not isinstance(proposals, Sequence) or len(proposals) != len(requests):
@@ -130,4 +141,19 @@ def check_proposals(requests: Sequence[DraftRequest], proposals: object, vocab_s
             shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
             raise ValueError(f"drafter probs for request {request.req_id!r} have shape {shape}; "
                              f"valid: None or [{len(ids)}, <= {vocab_size}]")
+        if proposal.parents is not None:
+            _check_tree_parents(request.req_id, proposal.parents, len(ids))
     return list(proposals)
+
+
+def _check_tree_parents(req_id: str, parents: Sequence[int], num_nodes: int) -> None:
+    if isinstance(parents, (str, bytes)) or not isinstance(parents, Sequence) or len(parents) != num_nodes:
+        raise ValueError(f"drafter parents for request {req_id!r} are {parents!r}; valid: None (a chain) or "
+                         f"one parent per draft ({num_nodes})")
+    if num_nodes > MAX_TREE_NODES:
+        raise ValueError(f"drafter proposed a tree of {num_nodes} nodes for request {req_id!r}; valid: at most "
+                         f"{MAX_TREE_NODES}")
+    try:
+        check_parents(list(parents))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"drafter tree for request {req_id!r}: {error}") from None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from servelab.samplers.backends import check_backend_name, get_sampling_backend
+from servelab.samplers.verifiers.tree import TreeVerifier, TreeVerifyOutput
 
 __all__ = ["RejectionVerifier", "rejection_sample"]
 
@@ -92,3 +93,11 @@ class RejectionVerifier:
             draft_token_ids, num_draft_tokens, target_probs, draft_probs,
             greedy=greedy, generator=list(generators), backend=self.backend, check_inputs=self.check_inputs,
         )
+
+    def verify_trees(self, draft_token_ids: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None, *, greedy: torch.Tensor | bool = False,
+                     generators: Sequence[torch.Generator | None] | None = None) -> TreeVerifyOutput:
+        """Token trees: multi-candidate rejection sampling (SpecInfer), which on a one-branch
+        tree is exactly this verifier's rule; see :meth:`TreeVerifier.verify_trees`."""
+        return TreeVerifier(check_inputs=self.check_inputs).verify_trees(
+            draft_token_ids, parents, target_probs, draft_probs, greedy=greedy, generators=generators)

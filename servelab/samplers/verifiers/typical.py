@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from servelab._internal.draft_layout import DraftIndex
+from servelab._internal.draft_layout import DraftIndex, TreeVerifyOutput, check_tree_batch
 from servelab._internal.sampling_checks import check_draft_batch, check_typical_options, compute_dtype
 from servelab._internal.sampling_noise import draw_request_noise
 
@@ -140,3 +140,51 @@ class TypicalAcceptanceVerifier:
             posterior_threshold=self.posterior_threshold, posterior_alpha=self.posterior_alpha,
             greedy=greedy, generator=list(generators), check_inputs=self.check_inputs,
         )
+
+    def verify_trees(self, draft_token_ids: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
+                     draft_probs: torch.Tensor | None = None, *, greedy: torch.Tensor | bool = False,
+                     generators: Sequence[torch.Generator | None] | None = None) -> TreeVerifyOutput:
+        """Typical acceptance over token trees (Medusa's tree rule); layout as
+        :meth:`TreeVerifier.verify_trees`, ``draft_probs`` ignored.
+
+        From the root, the first child (index order) whose token passes the
+        typical test at its parent's row is taken, until no child passes; one
+        token is then emitted from that row (argmax for greedy trees, else a
+        sample): the chain rule of :func:`typical_acceptance_sample`, per branch.
+        """
+        parents, _, _ = check_tree_batch(draft_token_ids, parents, target_probs, check_inputs=self.check_inputs)
+        num_trees, num_nodes = draft_token_ids.shape
+        flags = [bool(greedy)] * num_trees if isinstance(greedy, bool) else [bool(g) for g in greedy.tolist()]
+        generators = list(generators) if generators is not None else [None] * num_trees
+        target = target_probs.to(compute_dtype(target_probs))
+        entropy = -torch.special.xlogy(target, target).sum(dim=-1)  # [B, N + 1]
+        bar = torch.clamp(self.posterior_alpha * torch.exp(-entropy), max=self.posterior_threshold)
+        ids, parent_rows = draft_token_ids.tolist(), parents.tolist()
+        paths, finals = [], []
+        for b in range(num_trees):
+            path, slot = self._typical_path(ids[b], parent_rows[b], target[b], bar[b])
+            row = target[b, slot]
+            finals.append(int(row.argmax()) if flags[b] else int(torch.multinomial(row, 1, generator=generators[b])))
+            paths.append(path)
+        deepest = max((len(p) for p in paths), default=0)
+        tokens = torch.full((num_trees, deepest + 1), -1, dtype=torch.int64)
+        nodes = torch.full((num_trees, deepest), -1, dtype=torch.int64)
+        for b, (path, final) in enumerate(zip(paths, finals)):
+            tokens[b, : len(path) + 1] = torch.tensor([ids[b][n] for n in path] + [final])
+            nodes[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        device = draft_token_ids.device
+        return TreeVerifyOutput(tokens.to(device), nodes.to(device))
+
+    @staticmethod
+    def _typical_path(ids: list[int], parents: list[int], target: torch.Tensor,
+                      bar: torch.Tensor) -> tuple[list[int], int]:
+        """(accepted nodes, slot where the walk stopped) of one tree."""
+        path, node = [], -1
+        while True:
+            slot = node + 1
+            passing = [child for child, parent in enumerate(parents)
+                       if parent == node and ids[child] >= 0 and float(target[slot, ids[child]]) > float(bar[slot])]
+            if not passing:
+                return path, slot
+            node = passing[0]
+            path.append(node)
