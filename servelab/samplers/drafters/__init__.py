@@ -8,14 +8,19 @@
 - :mod:`~servelab.samplers.drafters.draft_model`: :class:`DraftModelDrafter`
   (``"draft_model"``, or a checkpoint folder path).
 
-No built-in drafter proposes token trees yet: they propose chains, which every
-verifier (including ``"tree"``) takes.
+- :mod:`~servelab.samplers.drafters.ngram_tree`: :class:`NgramTreeDrafter` (``"ngram_tree"``).
+- :mod:`~servelab.samplers.drafters.layer_skip`: :class:`LayerSkipDrafter`
+  (``"layer_skip"``: the target's own first layers draft).
+
+A proposal is a chain, or a token tree (:class:`DraftTree`,
+``DraftProposal.from_tree``) that the runner verifies in one step.
 """
 
 from servelab.samplers.drafters.base import (
     DraftProposal,
     DraftRequest,
     Drafter,
+    DraftTree,
     available_drafters,
     check_drafter,
     check_proposals,
@@ -29,13 +34,16 @@ from servelab.samplers.drafters.draft_model import (
     resolve_drafter,
 )
 from servelab.samplers.drafters.ngram import NgramDrafter
+from servelab.samplers.drafters.ngram_tree import NgramTreeDrafter
 
 __all__ = [
     "DraftModelDrafter",
     "DraftProposal",
     "DraftRequest",
+    "DraftTree",
     "Drafter",
     "NgramDrafter",
+    "NgramTreeDrafter",
     "available_drafters",
     "check_drafter",
     "check_proposals",
