@@ -134,6 +134,9 @@ def build_drafter(config: PipelineConfig, model: Any, *, block_size: int, num_bl
 
     drafter = resolve_drafter(config.speculative.drafter, dtype=model.dtype, device=model.device,
                               attention=model.attention, block_size=block_size)
+    bind = getattr(drafter, "bind_target", None)
+    if callable(bind):  # a drafter built from the target itself ("layer_skip")
+        bind(model)
     if isinstance(drafter, DraftModelDrafter):
         if drafter.vocab_size > vocab_size:
             raise ValueError(f"the draft model's vocabulary ({drafter.vocab_size}) is larger than the "

@@ -33,6 +33,7 @@ from servelab.samplers.drafters.draft_model import (
     load_draft_model_drafter,
     resolve_drafter,
 )
+from servelab.samplers.drafters.layer_skip import LayerSkipDrafter, early_exit_view
 from servelab.samplers.drafters.ngram import NgramDrafter
 from servelab.samplers.drafters.ngram_tree import NgramTreeDrafter
 
@@ -42,11 +43,13 @@ __all__ = [
     "DraftRequest",
     "DraftTree",
     "Drafter",
+    "LayerSkipDrafter",
     "NgramDrafter",
     "NgramTreeDrafter",
     "available_drafters",
     "check_drafter",
     "check_proposals",
+    "early_exit_view",
     "flat_step_inputs",
     "get_drafter",
     "load_draft_model_drafter",

@@ -44,6 +44,7 @@ import torch
 
 from servelab._internal.sampling_filters import top_k_top_p_keep_mask
 from servelab._internal.sampling_noise import seeded_generator
+from servelab.samplers.drafters.tree_drafting import TREE_MODES, grow_trees
 from servelab.samplers.interfaces import Drafter, DraftProposal, DraftRequest
 from servelab.samplers.params import SamplingParams
 
@@ -103,13 +104,20 @@ class DraftModelDrafter(Drafter):
         block_size: tokens per block of the draft's own KV cache.
         num_blocks: blocks of that cache (null block included). None: the
             pipeline sizes it (its target pool plus lookahead per request).
+        tree: None (chains, the default), ``"static"`` or ``"dynamic"``: propose
+            top-k token trees of at most ``k`` nodes instead
+            (:mod:`~servelab.samplers.drafters.tree_drafting`).
+        tree_width: children per expanded node (static: branches at the root).
+        tree_depth: dynamic trees' expansion depth (default ``max(1, k // tree_width)``).
 
     The pipeline calls :meth:`propose_for_requests` (batched, per-request
     caches) and :meth:`release`; ``propose_with_probs`` (the ``Drafter``
     interface) drafts greedily for one history from an empty cache.
     """
 
-    def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int | None = None) -> None:
+    def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int | None = None,
+                 tree: str | None = None, tree_width: int = 2, tree_depth: int | None = None) -> None:
+        self._set_tree_options(tree, tree_width, tree_depth)
         if not hasattr(model, "compute_logits") or not hasattr(model, "config"):
             raise TypeError(f"model must be a servelab LlamaForCausalLM, got {type(model).__name__}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -123,16 +131,25 @@ class DraftModelDrafter(Drafter):
         self._states: dict[str, _DraftState] = {}
         self._tmp = 0
 
+    def _set_tree_options(self, tree: str | None, tree_width: int, tree_depth: int | None) -> None:
+        if tree is not None and tree not in TREE_MODES:
+            raise ValueError(f"tree={tree!r}; valid: None (chains), {', '.join(map(repr, TREE_MODES))}")
+        for name, value, low in (("tree_width", tree_width, 1), ("tree_depth", tree_depth, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"{name}={value!r}; valid: an int >= {low}")
+        self.tree, self.tree_width, self.tree_depth = tree, tree_width, tree_depth
+
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: Any = None, device: str | torch.device = "cpu",
-                        attention: Any = "torch", block_size: int = 16,
-                        num_blocks: int | None = None) -> DraftModelDrafter:
-        """Load a draft checkpoint folder (same tokenizer as the target)."""
+                        attention: Any = "torch", block_size: int = 16, num_blocks: int | None = None,
+                        **tree_options: Any) -> DraftModelDrafter:
+        """Load a draft checkpoint folder (same tokenizer as the target); ``tree_options``:
+        ``tree``, ``tree_width``, ``tree_depth``."""
         from servelab.models import load_model
 
         model, _ = load_model(path, dtype=dtype, device=device, attention=attention)
         model.check_inputs = False
-        return cls(model, block_size=block_size, num_blocks=num_blocks)
+        return cls(model, block_size=block_size, num_blocks=num_blocks, **tree_options)
 
     # ---- cache bookkeeping ----------------------------------------------------
 
@@ -184,6 +201,8 @@ class DraftModelDrafter(Drafter):
         if not active:
             return out
         try:
+            if self.tree is not None:
+                return self._propose_trees(active, out)
             drafts, probs = self._run(active)
         except BaseException:
             for _, req, *_ in active:
@@ -209,13 +228,40 @@ class DraftModelDrafter(Drafter):
             while valid < len(cached) and valid < len(history) and cached[valid] == history[valid]:
                 valid += 1
             valid = min(valid, len(history) - 1)  # feed >= 1 token: its logits give the first draft
-            # KV is written for positions 0 .. len(history) + k - 2 (the last draft is never fed).
-            if not self._reserve(state, len(history) + req.k - 1):
+            # KV is written for positions 0 .. len(history) + k - 2 (the last draft is never fed);
+            # a tree feeds at most k nodes after the history.
+            if not self._reserve(state, len(history) + req.k - (self.tree is None)):
                 self.release(req.req_id)
                 continue
             del cached[valid:]
             active.append((i, req, state, history, valid))
         return active
+
+    def forward_chunks(self, chunks: Sequence[Sequence[int]], starts: Sequence[int],
+                       block_rows: Sequence[Sequence[int]], *, positions: Sequence[int] | None = None,
+                       tree_mask: Any = None) -> torch.Tensor:
+        """One draft forward; fp32 logits ``[T, vocab]`` of every fed token (``positions``:
+        RoPE positions overriding the slot positions; ``tree_mask``: a TreeMask)."""
+        device = self.model.device
+        ids, slot_positions, meta = flat_step_inputs(chunks, starts, block_rows, self.block_size, device)
+        if tree_mask is not None:
+            meta.tree_mask = tree_mask.to(device)
+        rope = slot_positions if positions is None else torch.tensor(positions, dtype=torch.int64, device=device)
+        return self.model.compute_logits(self.model(ids, rope, self.kv_caches, meta))
+
+    def _propose_trees(self, active: list, out: list[DraftProposal]) -> list[DraftProposal]:
+        """Top-k trees (:mod:`~servelab.samplers.drafters.tree_drafting`); the tree nodes' KV is dropped."""
+        chunks = [history[valid:] for _, _, _, history, valid in active]
+        starts = [len(state.cached) for _, _, state, _, _ in active]
+        for (_, _, state, _, _), chunk in zip(active, chunks):
+            state.cached.extend(chunk)
+        logits = self.forward_chunks(chunks, starts, [state.blocks for _, _, state, _, _ in active])
+        last = torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
+        trees = grow_trees(self, active, logits[last.to(logits.device)], self.tree, self.tree_width, self.tree_depth)
+        for i, _, state, history, _ in active:
+            state.base = len(history)
+            out[i] = DraftProposal.from_tree(trees[i])
+        return out
 
     def _run(self, active: list[tuple[int, DraftRequest, _DraftState, list[int], int]]
              ) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
@@ -270,14 +316,15 @@ class DraftModelDrafter(Drafter):
 
 def load_draft_model_drafter(path: str | os.PathLike, *, dtype: Any = None, device: Any = "cpu",
                              attention: Any = "torch", block_size: int = 16,
-                             num_blocks: int | None = None) -> DraftModelDrafter:
-    """The ``"draft_model"`` registry entry: a :class:`DraftModelDrafter` from a checkpoint folder."""
+                             num_blocks: int | None = None, **tree_options: Any) -> DraftModelDrafter:
+    """The ``"draft_model"`` registry entry: a :class:`DraftModelDrafter` from a checkpoint folder
+    (``tree_options``: ``tree`` None / ``"static"`` / ``"dynamic"``, ``tree_width``, ``tree_depth``)."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"drafter path {str(path)!r} is not a checkpoint folder with a config.json; valid: a "
                          "draft-model folder (same tokenizer as the target)")
     return DraftModelDrafter.from_pretrained(folder, dtype=dtype, device=device, attention=attention,
-                                             block_size=block_size, num_blocks=num_blocks)
+                                             block_size=block_size, num_blocks=num_blocks, **tree_options)
 
 
 # Older spellings of "ngram" accepted by resolve_drafter.
