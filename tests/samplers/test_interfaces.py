@@ -46,7 +46,7 @@ def test_built_ins_implement_the_protocols():
     assert available_verifiers() == ["rejection", "tree", "typical"]
     assert get_verifier("typical", posterior_threshold=0.2).posterior_threshold == 0.2
     assert isinstance(get_drafter("ngram"), NgramDrafter) and get_drafter("ngram", max_n=5).max_n == 5
-    assert available_drafters() == ["draft_model", "ngram"]
+    assert available_drafters() == ["draft_model", "layer_skip", "ngram", "ngram_tree"]
     assert available_sampling_backends() == ["auto", "torch", "triton"]
     assert isinstance(Sampler().argmax_changing[0], LogitsProcessor)
 
