@@ -9,7 +9,7 @@ from pipeline_helpers import assert_no_leaks, random_prompts
 
 from servelab import Pipeline
 from servelab.samplers import SamplingParams
-from servelab.samplers.drafters import Drafter, DraftProposal, DraftTree
+from servelab.samplers.drafters import Drafter, DraftModelDrafter, DraftProposal, DraftTree, LayerSkipDrafter
 from servelab.samplers.verifiers import get_verifier
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -157,3 +157,40 @@ def test_triton_backend_runs_trees(tiny):
                                     num_speculative_tokens=4, verifier="tree")
     assert [o.token_ids for o in pipe.generate(prompts, params)] == want
     assert pipe.last_run_metrics.num_accepted_tokens >= 2  # a hidden second branch was taken
+
+
+DRAFTERS = {
+    "ngram_tree": lambda tiny: "ngram_tree",
+    "layer_skip-chain": lambda tiny: LayerSkipDrafter(1),
+    "layer_skip-static": lambda tiny: LayerSkipDrafter(1, tree="static", tree_width=3),
+    "layer_skip-dynamic": lambda tiny: LayerSkipDrafter(1, tree="dynamic"),
+    "draft_model-static": lambda tiny: DraftModelDrafter.from_pretrained(tiny["draft"], tree="static"),
+    "draft_model-dynamic": lambda tiny: DraftModelDrafter.from_pretrained(tiny["draft"], tree="dynamic",
+                                                                          tree_width=3),
+}
+
+
+@pytest.mark.parametrize("verifier", ["tree", "rejection"])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_every_tree_drafter_keeps_greedy_output(tiny, drafter, verifier):
+    prompts = random_prompts([4, 11, 26], seed=21)
+    want, _ = _greedy(tiny["llama"], prompts)
+    got, pipe = _greedy(tiny["llama"], prompts, drafter=DRAFTERS[drafter](tiny), num_speculative_tokens=6,
+                        verifier=verifier, num_blocks=40, block_size=4)
+    assert got == want
+    assert pipe.last_run_metrics.num_draft_tokens > 0
+    assert_no_leaks(pipe)
+
+
+def test_layer_skip_is_a_view_of_the_target(tiny):
+    pipe = Pipeline.from_pretrained(tiny["llama"], drafter="layer_skip", num_speculative_tokens=3)
+    drafter, target = pipe.drafter, pipe.model
+    assert isinstance(drafter, LayerSkipDrafter) and drafter.num_layers == len(target.model.layers) // 2
+    assert drafter.model.model.layers[0] is target.model.layers[0]  # shared weights, nothing copied
+    assert len(drafter.model.model.layers) == drafter.num_layers and drafter.model.lm_head_weight is \
+        target.lm_head_weight
+    assert len(target.model.layers) == target.config.num_hidden_layers  # the target is untouched
+    with pytest.raises(ValueError, match="num_layers"):
+        LayerSkipDrafter(num_layers=len(target.model.layers), model=target)
+    with pytest.raises(RuntimeError, match="no target model"):
+        LayerSkipDrafter(1).propose_for_requests([])
