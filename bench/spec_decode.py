@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,7 +150,7 @@ def study(model_name: str, quick: bool, repeats: int, max_tokens: int, num_layer
 
         path = fetch_smollm2()
     else:
-        path = build_tiny_model("tiny-spec-study", arch="llama")
+        path = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-spec-study", arch="llama")
     model, config = load_model(path, attention="sdpa")
     model.check_inputs = False
     tokenizer = load_tokenizer(path)
