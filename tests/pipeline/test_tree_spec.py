@@ -194,3 +194,26 @@ def test_layer_skip_is_a_view_of_the_target(tiny):
         LayerSkipDrafter(num_layers=len(target.model.layers), model=target)
     with pytest.raises(RuntimeError, match="no target model"):
         LayerSkipDrafter(1).propose_for_requests([])
+
+
+def test_structured_outputs_mask_each_tree_slot_by_its_own_path(tiny):
+    """Grammar-constrained greedy requests: identical output with trees, and the right branch (hidden
+    behind a wrong one the grammar may forbid) is still found: each slot is masked along its own path."""
+    pytest.importorskip("xgrammar")
+    from servelab import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    constraints = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"[a-c]{2}-[0-9]{3}")]
+    prompts = ["The cache line was", "A block table maps"]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    plain = Pipeline.from_pretrained(tiny["llama"]).generate(prompts, params)
+    tok = Pipeline.from_pretrained(tiny["llama"]).tokenizer
+    drafter = HiddenBranchDrafter({tuple(tok.encode(p)): o.token_ids for p, o in zip(prompts, plain)}, 512)
+    for d in (drafter, "ngram_tree"):
+        pipe = Pipeline.from_pretrained(tiny["llama"], drafter=d, num_speculative_tokens=6, verifier="tree")
+        outs = pipe.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert all(o.finish_reason == "stop" for o in outs)
+        if d is drafter:
+            assert pipe.last_run_metrics.num_accepted_tokens > 0
