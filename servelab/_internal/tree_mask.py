@@ -47,8 +47,8 @@ def check_tree_mask(tree_mask: object, num_tokens: int, seq_lens: torch.Tensor, 
                          "that a window over slots cannot express; valid: no window")
     ancestors, lens = tree_mask
     if not isinstance(ancestors, torch.Tensor) or ancestors.dtype != torch.int64 or ancestors.shape != (num_tokens,):
-        raise ValueError(f"tree_mask.ancestors must be int64 [{num_tokens}], got "
-                         f"{getattr(ancestors, 'dtype', type(ancestors).__name__)} {tuple(getattr(ancestors, 'shape', ()))}")
+        got = f"{getattr(ancestors, 'dtype', type(ancestors).__name__)} {tuple(getattr(ancestors, 'shape', ()))}"
+        raise ValueError(f"tree_mask.ancestors must be int64 [{num_tokens}], got {got}")
     num_seqs = seq_lens.shape[0]
     if not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32 or lens.shape != (num_seqs,):
         raise ValueError(f"tree_mask.tree_lens must be int32 [{num_seqs}], got "

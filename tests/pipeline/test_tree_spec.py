@@ -217,3 +217,34 @@ def test_structured_outputs_mask_each_tree_slot_by_its_own_path(tiny):
         assert all(o.finish_reason == "stop" for o in outs)
         if d is drafter:
             assert pipe.last_run_metrics.num_accepted_tokens > 0
+
+
+def test_the_scheduler_cuts_trees_to_a_prefix_of_nodes(tiny):
+    """A token budget smaller than the trees: the scheduler keeps each tree's first nodes
+    (parents precede children, so that is a tree) and output stays exact."""
+    prompts = random_prompts([5, 13, 21, 8], seed=3)
+    want, _ = _greedy(tiny["llama"], prompts)
+    drafter = HiddenBranchDrafter({tuple(p): w for p, w in zip(prompts, want)}, 512)
+    got, pipe = _greedy(tiny["llama"], prompts, drafter=drafter, num_speculative_tokens=6, verifier="tree",
+                        max_num_batched_tokens=32, long_prefill_token_threshold=0)
+    assert got == want
+    assert pipe.last_run_metrics.num_accepted_tokens > 0
+    assert_no_leaks(pipe)
+
+
+def test_a_malformed_tree_fails_only_its_request(tiny):
+    prompts = random_prompts([4, 5, 6, 7], seed=8)
+    bad = {tuple(prompts[1]), tuple(prompts[3])}
+
+    class BadTree(Drafter):
+        def propose_with_probs(self, token_ids, k):
+            if any(tuple(token_ids[: len(p)]) == p for p in bad):
+                return DraftProposal([1], parents=[3])  # a parent that does not precede its node
+            return DraftProposal([1, 2][:k], parents=[-1, -1][:k])
+
+    pipe = Pipeline.from_pretrained(tiny["llama"], drafter=BadTree(), num_speculative_tokens=3, verifier="tree")
+    outs = pipe.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    failed = [o for o in outs if o.finish_reason == "error"]
+    assert [o.finish_reason == "error" for o in outs] == [False, True, False, True]
+    assert all("parents" in o.error for o in failed)
+    assert_no_leaks(pipe)

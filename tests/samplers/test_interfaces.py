@@ -92,7 +92,8 @@ def test_registry_errors_name_what_is_known():
         get_verifier(object())
     with pytest.raises(ValueError, match="verifier 'typical' is already registered"):
         register_verifier("typical", TypicalAcceptanceVerifier)
-    with pytest.raises(ValueError, match="unknown drafter 'eagle'; known: 'draft_model', 'layer_skip', 'ngram', 'ngram_tree'; or a draft-model"):
+    with pytest.raises(ValueError, match="unknown drafter 'eagle'; known: 'draft_model', 'layer_skip', 'ngram', "
+                                         "'ngram_tree'; or a draft-model"):
         get_drafter("eagle")
     with pytest.raises(TypeError, match="lacks propose_for_requests, release"):
         get_drafter(object())

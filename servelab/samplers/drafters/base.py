@@ -117,7 +117,8 @@ def check_proposals(requests: Sequence[DraftRequest], proposals: object, vocab_s
     One :class:`DraftProposal` per request, at most ``k`` token ids each, all
     in ``[0, vocab_size)``, ``probs`` None or float ``[len(token_ids), V]``
     with ``V <= vocab_size``, ``parents`` None or a valid tree over the drafts
-    (one per draft, ``-1 <= parents[n] < n``, at most ``MAX_TREE_NODES``). Raises ``TypeError`` / ``ValueError`` naming the
+    (one per draft, ``-1 <= parents[n] < n``, at most ``MAX_TREE_NODES``).
+    Raises ``TypeError`` / ``ValueError`` naming the
     request; the caller fails the requests of that call.
     """
     if not isinstance(proposals, Sequence) or len(proposals) != len(requests):

@@ -1,7 +1,8 @@
 """Token trees for speculative decoding: structure, attention mask, and the ``"tree"`` verifier.
 
-A :class:`~servelab.samplers.draft_tree.DraftTree` (also exported as ``TokenTree``) holds draft tokens and parent indices (``-1`` = child of
-the root, the last committed token; ``parents[n] < n``). One target forward
+A :class:`~servelab.samplers.draft_tree.DraftTree` (also exported as
+``TokenTree``) holds draft tokens and parent indices (``-1`` = child of the
+root, the last committed token; ``parents[n] < n``). One target forward
 pass over ``[root, node_0, ..., node_{N-1}]`` with the tree attention mask
 gives every node's next-token distribution; the verifiers
 (:func:`verify_tree_greedy`, :func:`verify_tree_stochastic`, fast path in
