@@ -38,6 +38,6 @@ CODE = [
     "def save_config(path, config):\n",
 ]
 
-KINDS = {"summarise": SUMMARISE, "chat": CHAT, "code": CODE}
+KINDS = {"code": CODE, "summarise": SUMMARISE, "chat": CHAT}
 """kind -> prompts. Chat and summarise prompts are sent through the chat template; code is raw text."""
 CHAT_TEMPLATE_KINDS = ("summarise", "chat")

@@ -248,3 +248,18 @@ def test_a_malformed_tree_fails_only_its_request(tiny):
     assert [o.finish_reason == "error" for o in outs] == [False, True, False, True]
     assert all("parents" in o.error for o in failed)
     assert_no_leaks(pipe)
+
+
+def test_logprobs_come_from_each_emitted_tokens_own_slot(tiny):
+    prompts = random_prompts([5, 13], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    plain = Pipeline.from_pretrained(tiny["llama"]).generate(prompts, params)
+    drafter = HiddenBranchDrafter({tuple(p): o.token_ids for p, o in zip(prompts, plain)}, 512)
+    pipe = Pipeline.from_pretrained(tiny["llama"], drafter=drafter, num_speculative_tokens=6, verifier="tree")
+    outs = pipe.generate(prompts, params)
+    assert pipe.last_run_metrics.num_accepted_tokens > 0
+    for got, want in zip(outs, plain):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
