@@ -143,7 +143,7 @@ def encode(tokenizer, kind: str, text: str) -> list[int]:
 
 
 def study(model_name: str, quick: bool, repeats: int, max_tokens: int, num_layers: int | None,
-          write: bool = True, prompts_per_kind: int = 3) -> list[dict]:
+          write: bool = True, prompts_per_kind: int = 3, only_kinds: tuple[str, ...] = ()) -> list[dict]:
     torch.set_num_threads(1)
     if model_name == "smollm2":
         from servelab.models.hub import fetch_smollm2
@@ -157,7 +157,8 @@ def study(model_name: str, quick: bool, repeats: int, max_tokens: int, num_layer
     num_layers = num_layers or max(1, config.num_hidden_layers // 2)
     configs = grid(quick, num_layers)
     kinds = {kind: [encode(tokenizer, kind, text) for text in texts] for kind, texts in KINDS.items()}
-    kinds = {kind: prompts[:1 if quick else prompts_per_kind] for kind, prompts in kinds.items()}
+    kinds = {kind: prompts[:1 if quick else prompts_per_kind] for kind, prompts in kinds.items()
+             if not only_kinds or kind in only_kinds}
     rows = []
     for kind, prompts in kinds.items():
         print(f"{kind}: {len(prompts)} prompts x {len(configs)} configurations", flush=True)
@@ -207,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=None, help="layer-skip exit layer (default: half)")
     parser.add_argument("--prompts-per-kind", type=int, default=3)
+    parser.add_argument("--kinds", default="", help="comma-separated subset of code,summarise,chat")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results.csv")
     args = parser.parse_args(argv)
     rows = study(args.model, args.quick, args.repeats, args.max_tokens, args.num_layers, write=not args.no_write,
-                 prompts_per_kind=args.prompts_per_kind)
+                 prompts_per_kind=args.prompts_per_kind, only_kinds=tuple(filter(None, args.kinds.split(","))))
     for row in rows:
         print(row["implementation"], row["params"], row["metric"], round(row["value"], 3))
     return 0
