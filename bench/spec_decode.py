@@ -22,7 +22,9 @@ configuration and kind:
 
 Configurations are interleaved (every configuration once per repeat) so drift
 on a shared machine hits all alike. Rows go to ``bench/results/results.csv``
-(component ``spec_decode``); ``--plot`` draws ``bench/results/spec_decode.png``.
+(component ``spec_decode``); ``--plot`` draws ``bench/results/spec_decode.png``
+from the latest rows. Wall-clock times on a shared machine are noisy: read the
+p20..p80 ranges, not the medians alone.
 """
 
 from __future__ import annotations
@@ -200,6 +202,38 @@ def _rows(kind: str, tallies: dict[Config, Tally], model_name: str, repeats: int
     return rows
 
 
+def plot(path: Path | None = None, model_name: str = "smollm2") -> Path:
+    """Draw the latest study rows: per prompt kind, accepted tokens per step and speed-up vs budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot import latest
+    from results_io import RESULTS_CSV, read_rows
+
+    rows = [r for r in latest(read_rows()) if r["component"] == "spec_decode" and r["params"]["model"] == model_name]
+    kinds = [k for k in KINDS if any(r["params"]["kind"] == k for r in rows)]
+    fig, axes = plt.subplots(2, len(kinds), figsize=(4 * len(kinds), 6), squeeze=False)
+    for col, kind in enumerate(kinds):
+        for row_index, metric in enumerate(("accepted_per_step", "speedup")):
+            ax = axes[row_index][col]
+            for impl in ("ngram-chain", "ngram-tree", "layer_skip-chain", "layer_skip-tree"):
+                sel = sorted((r["params"]["budget"], r["value"]) for r in rows
+                             if r["implementation"] == impl and r["metric"] == metric and r["params"]["kind"] == kind)
+                if sel:
+                    ax.plot(*zip(*sel), marker="o", label=impl)
+            if metric == "speedup":
+                ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_title(f"{kind}: {metric}")
+            ax.set_xlabel("node budget (num_speculative_tokens)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"speculative decoding on {model_name}, batch 1, 1 thread, greedy")
+    fig.tight_layout()
+    path = path or RESULTS_CSV.parent / "spec_decode.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
@@ -210,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-kind", type=int, default=3)
     parser.add_argument("--kinds", default="", help="comma-separated subset of code,summarise,chat")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to results.csv")
+    parser.add_argument("--plot", action="store_true", help="only draw bench/results/spec_decode.png from the rows")
     args = parser.parse_args(argv)
+    if args.plot:
+        print(plot(model_name=args.model))
+        return 0
     rows = study(args.model, args.quick, args.repeats, args.max_tokens, args.num_layers, write=not args.no_write,
                  prompts_per_kind=args.prompts_per_kind, only_kinds=tuple(filter(None, args.kinds.split(","))))
     for row in rows:
