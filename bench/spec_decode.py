@@ -1,6 +1,7 @@
 """The speculative-decoding study: chains vs token trees, n-gram vs layer-skip drafting.
 
-    python bench/spec_decode.py                      # SmolLM2-135M, 1 thread, full grid (~15 min shared CPU)
+    python bench/spec_decode.py                      # SmolLM2-135M, 1 thread, full grid
+    python bench/spec_decode.py --repeats 1 --max-tokens 40 --prompts-per-kind 2   # the recorded run
     python bench/spec_decode.py --quick              # a small grid (the notebook's)
     python bench/spec_decode.py --model tiny         # the embedded random-weight model (no checkpoint)
 
