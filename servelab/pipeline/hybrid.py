@@ -130,12 +130,15 @@ def allocate_group_kv_caches(groups: Sequence[KVCacheGroup], num_layers: int, nu
     hybrid manager's rule).
 
     Not zero-filled (the null block 0 is), as the single-group cache. A
-    sliding group's table row keeps the ids of blocks its window released
-    (the scheduler reports no releases), and another request may own them
-    meanwhile, not yet written; that is safe because the attention backends
-    never let a slot outside the window reach a result (masked loads or
-    ``where``, not ``0 * value``), which the tests check by filling every
-    block but the null one with NaN."""
+    block a sliding group released may belong to another request meanwhile
+    and hold anything (NaN, inf); a request never reads it, because
+    :class:`HybridModelRunner` puts the null block in the table wherever
+    the window released one (as the manager's own row does), so every
+    block a table names is the request's own or the zero-filled null block.
+    The backends mask the out-of-window slots of those (the torch
+    reference multiplies probabilities by V: only finite values may sit
+    under its mask), which the tests check by filling released blocks,
+    re-owned by another request, with NaN and +-inf."""
     pages = {g.spec.page_size_bytes for g in groups}
     if len(pages) != 1:
         raise ValueError(f"KV-cache groups have pages of {sorted(pages)} bytes; one shared buffer needs equal pages")
@@ -167,8 +170,12 @@ class HybridModelRunner(ModelRunner):
     (rows shared: a request has the same row in every table), and each step
     builds per group ``slot_mapping`` int64 ``[T]`` and ``block_table``
     int32 ``[B, width_g]``; ``seq_lens`` / ``query_start_loc`` are shared.
-    A sliding group's released blocks stay in its row (the scheduler reports
-    no releases; the window mask never reads them).
+    A sliding group's released blocks become the null block (0) in its row
+    before each step (the scheduler reports no releases, so the runner
+    applies the manager's rule: the blocks wholly before the window of the
+    step's first position, ``(c - window + 1) // block_size`` of them for a
+    request at ``c`` computed tokens), so a block re-owned by another
+    request is never named by this request's table.
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, groups: Sequence[KVCacheGroup],
@@ -181,6 +188,8 @@ class HybridModelRunner(ModelRunner):
             for layer in group.layer_indices:
                 layer_groups[layer] = g
         self.layer_groups = tuple(layer_groups)
+        self.group_windows = tuple(g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None
+                                   for g in self.groups)
         rows = self.block_table.shape[0]
         self.block_tables = [torch.zeros((rows, -(-max_model_len // bs)), dtype=torch.int32)
                              for bs in self.group_block_sizes]
@@ -234,10 +243,26 @@ class HybridModelRunner(ModelRunner):
         seq_lens_t = torch.from_numpy(seq_lens).to(torch.int32)
         qsl_t = torch.from_numpy(qsl).to(torch.int32)
         longest = int(seq_lens.max())
+        first = seq_lens - np.diff(qsl)  # each request's first position this step (its computed tokens)
         metas = []
         for g, bs in enumerate(self.group_block_sizes):
+            if self.group_windows[g] is not None:
+                self._null_released(g, rows, first, self.group_windows[g])
             slots = self._bts[g][token_rows, positions // bs].astype(np.int64) * bs + positions % bs
             metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots),
                                            block_table=self.block_tables[g][rows_t][:, : -(-longest // bs)],
                                            seq_lens=seq_lens_t, query_start_loc=qsl_t))
         return GroupedAttentionMetadata(tuple(metas), self.layer_groups, self.group_block_sizes)
+
+    def _null_released(self, g: int, rows: np.ndarray, first: np.ndarray, window: int) -> None:
+        """Null block (0) in group ``g``'s table rows ``rows`` ``[B]`` for every block
+        wholly before the window of position ``first`` ``[B]``: the blocks the
+        manager released when it scheduled this step (the same rule), which
+        another request may own and fill by now."""
+        dead = (first - window + 1) // self.group_block_sizes[g]  # [B] leading dead blocks per request
+        width = int(dead.max())
+        if width <= 0:
+            return
+        table = self._bts[g]
+        head = table[rows, :width]
+        table[rows, :width] = np.where(np.arange(width) < dead[:, None], 0, head)
