@@ -282,3 +282,41 @@ def test_given_hybrid_manager_is_checked(ckpt):
     with pytest.raises(ValueError, match="without a group"):
         Pipeline(model, attention_backend="torch", kv_cache_manager=bare)
 
+
+@pytest.fixture(scope="module")
+def gemma2_window8(tmp_path_factory):
+    """Gemma 2 with an 8-token window (issue case: 4-token blocks, 19 usable blocks)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    path = tmp_path_factory.mktemp("gemma2w8")
+    hf_config = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, num_hidden_layers=4,
+                             sliding_window=8, query_pre_attn_scalar=12, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(path)
+    model, config = load_model(path)
+    return model, config, load_hf(path)
+
+
+def test_admits_what_chunked_prefill_can_serve(gemma2_window8):
+    """A 40-token prompt needs 10 full-attention blocks, and its sliding group
+    only the window plus one chunk: with 19 usable blocks it runs (in chunks
+    the pool can hold, token-exact), although one 40-token step would need 20.
+    A prompt whose full-attention blocks alone exceed the pool is refused
+    with the usual message; so is everything with chunked prefill off."""
+    model, config, hf = gemma2_window8
+    prompt = random_prompts([40], config.vocab_size, seed=21)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    pipe = Pipeline(model, attention_backend="torch", block_size=4, num_blocks=20, max_num_batched_tokens=512)
+    assert pipe.kv_cache_manager.blocks_needed_alone(40, 40) == 20 > 19
+    out = pipe.generate([prompt], params)[0]
+    assert out.finish_reason == "length" and list(out.token_ids) == _hf_greedy(hf, prompt, 4)
+    assert pipe.kv_cache_manager.num_free_blocks == 19
+    too_long = random_prompts([77], config.vocab_size, seed=22)[0]  # 20 full-attention blocks alone
+    failed = pipe.generate([too_long], params)[0]
+    assert failed.finish_reason == "error" and "cannot fit in the KV cache even alone" in failed.error
+    assert "19 usable blocks" in failed.error
+    whole = Pipeline(model, attention_backend="torch", block_size=4, num_blocks=20, max_num_batched_tokens=512,
+                     enable_chunked_prefill=False)
+    assert whole.generate([prompt], params)[0].finish_reason == "error"
