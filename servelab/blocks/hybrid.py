@@ -44,14 +44,10 @@ block boundary into that block, and blocks older than the previous boundary
 are released (a sliding window of ``block_size + 1`` tokens). With caching off
 a Mamba group holds its single state block.
 
-**Admission** (vLLM's rule): a request alone in the pool is served if its
-tokens fit when prefilled in chunks: a sliding group never holds more than
-``cdiv(min(window - 1 + chunk, num_tokens), block_size) + 1`` blocks
-(:func:`request_blocks_cap`), so a prompt longer than the pool's share of
-a sliding group still runs, in smaller chunks
-(:meth:`HybridKVCacheManager.max_chunk_alone`, which the scheduler asks
-before refusing a request that has the pool to itself). The same cap sizes
-the default pool (:func:`~servelab.pipeline.hybrid.default_num_blocks_hybrid`).
+**Admission** (vLLM's cap, :func:`~servelab.blocks.specs.request_blocks_cap`):
+a sliding group holds at most the window plus one chunk, so a request alone
+in the pool runs in smaller chunks when one would not fit
+(:meth:`HybridKVCacheManager.max_chunk_alone`).
 
 **Per-group block ids.** ``get_computed_blocks`` returns a tuple of per-group
 block lists, ``allocate_slots`` returns a tuple of per-group new blocks, and
@@ -85,10 +81,10 @@ from servelab.blocks.single_type import (
     SlidingWindowManager,
     manager_class_for,
 )
-from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, max_chunk_alone
 
 __all__ = ["GroupBlockHashes", "HybridKVCacheManager", "KVCacheGroup", "MambaStateManager",
-           "make_kv_cache_groups", "request_blocks_cap", "unify_page_sizes"]
+           "make_kv_cache_groups", "unify_page_sizes"]
 
 
 @dataclass(frozen=True)
@@ -207,22 +203,6 @@ def _group_manager(spec: KVCacheSpec, pool: BlockPool, enable_caching: bool) -> 
     return cls(spec, pool)
 
 
-def request_blocks_cap(spec: KVCacheSpec, num_tokens: int, tokens_in_flight: int) -> int:
-    """Most blocks one request of ``num_tokens`` tokens ever holds in a group of
-    ``spec`` when at most ``tokens_in_flight`` of its tokens are computed per
-    step (vLLM's cap, which sizes its pool and admits): a sliding window
-    ``cdiv(min(window - 1 + tokens_in_flight, num_tokens), block_size) + 1``
-    (the first of a chunk's tokens sees ``window - 1`` before it; ``+ 1`` for
-    a window not starting on a block boundary), a Mamba state 1, anything
-    else ``cdiv(num_tokens, block_size)``."""
-    full = -(-num_tokens // spec.block_size)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(full, -(-min(spec.sliding_window - 1 + tokens_in_flight, num_tokens) // spec.block_size) + 1)
-    if isinstance(spec, MambaSpec):
-        return 1 if num_tokens > 0 else 0
-    return full
-
-
 def check_groups(groups: Sequence[KVCacheGroup | KVCacheSpec]) -> tuple[list[KVCacheGroup], int, int]:
     """Validate groups for a shared pool; returns (groups, hash_block_size, lcm block size)."""
     if isinstance(groups, (KVCacheGroup, KVCacheSpec)) or not groups:
@@ -332,31 +312,14 @@ class HybridKVCacheManager:
     def usage(self) -> float:
         return self._pool.usage
 
-    def blocks_needed_alone(self, num_tokens: int, tokens_in_flight: int) -> int:
-        """Pool blocks (all groups) one request of ``num_tokens`` tokens needs at
-        most when prefilled in chunks of ``tokens_in_flight`` tokens
-        (:func:`request_blocks_cap` per group)."""
-        return sum(request_blocks_cap(m.spec, num_tokens, tokens_in_flight) for m in self._managers)
-
     def max_chunk_alone(self, request: KVCacheRequest, num_new_tokens: int) -> int:
-        """The largest chunk ``c <= num_new_tokens`` with which ``request``,
-        alone in the pool, computes all its ``request.num_tokens`` tokens by
-        chunked prefill (``blocks_needed_alone(num_tokens, c)`` fits the usable
-        blocks: sliding groups hold the window plus one chunk, not the
-        prompt); 0 when not even one token per step fits (the request never
-        runs here). The scheduler asks when a chunk finds no room with the
-        request alone, and schedules ``c`` tokens instead."""
+        """The largest chunk ``<= num_new_tokens`` with which ``request``, alone in
+        the pool, reaches all its tokens by chunked prefill (0: never here; see
+        :func:`~servelab.blocks.specs.max_chunk_alone`). The scheduler asks it
+        before refusing a request that has the pool to itself."""
         check_int("num_new_tokens", num_new_tokens, min_value=0)
         total = check_int("request.num_tokens", request.num_tokens, min_value=0)
-        usable = self.num_blocks - 1
-        lo, hi = 0, num_new_tokens  # blocks_needed_alone grows with the chunk: bisect
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.blocks_needed_alone(total, mid) <= usable:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return max_chunk_alone([m.spec for m in self._managers], total, self.num_blocks - 1, num_new_tokens)
 
     def group_hashes(self, request: KVCacheRequest, group_id: int) -> GroupBlockHashes:
         """The request's block hashes as group ``group_id`` indexes them."""

@@ -49,10 +49,10 @@ from servelab.blocks import (
     layer_views,
     make_kv_cache_groups,
 )
-from servelab.blocks.hybrid import request_blocks_cap
+from servelab.blocks.specs import request_blocks_cap
 from servelab.models import GroupedAttentionMetadata
 from servelab.models.metadata import AttentionMetadata
-from servelab.pipeline.runner import CachedRequestState, ModelRunner
+from servelab.pipeline.runner import CachedRequestState, ModelRunner, null_released_blocks
 from servelab.pipeline.sizing import default_kv_cache_budget
 
 __all__ = ["HybridModelRunner", "allocate_group_kv_caches", "build_hybrid_kv_cache_manager",
@@ -82,7 +82,7 @@ def default_num_blocks_hybrid(groups: Sequence[KVCacheGroup], num_layers: int, *
     rule (:mod:`~servelab.pipeline.sizing`) with a hybrid request's real need.
 
     - **What the run can use**: ``max_num_seqs`` requests, each holding at
-      most :func:`~servelab.blocks.hybrid.request_blocks_cap` blocks per
+      most :func:`~servelab.blocks.specs.request_blocks_cap` blocks per
       group for ``max_model_len`` (+ drafts) tokens computed
       ``max_num_batched_tokens`` at a time (a sliding group: the window
       plus one chunk, vLLM's cap; the admission rule uses the same cap).
@@ -271,22 +271,9 @@ class HybridModelRunner(ModelRunner):
         metas = []
         for g, bs in enumerate(self.group_block_sizes):
             if self.group_windows[g] is not None:
-                self._null_released(g, rows, first, self.group_windows[g])
+                null_released_blocks(self._bts[g], rows, first, self.group_windows[g], bs)
             slots = self._bts[g][token_rows, positions // bs].astype(np.int64) * bs + positions % bs
             metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots),
                                            block_table=self.block_tables[g][rows_t][:, : -(-longest // bs)],
                                            seq_lens=seq_lens_t, query_start_loc=qsl_t))
         return GroupedAttentionMetadata(tuple(metas), self.layer_groups, self.group_block_sizes)
-
-    def _null_released(self, g: int, rows: np.ndarray, first: np.ndarray, window: int) -> None:
-        """Null block (0) in group ``g``'s table rows ``rows`` ``[B]`` for every block
-        wholly before the window of position ``first`` ``[B]``: the blocks the
-        manager released when it scheduled this step (the same rule), which
-        another request may own and fill by now."""
-        dead = (first - window + 1) // self.group_block_sizes[g]  # [B] leading dead blocks per request
-        width = int(dead.max())
-        if width <= 0:
-            return
-        table = self._bts[g]
-        head = table[rows, :width]
-        table[rows, :width] = np.where(np.arange(width) < dead[:, None], 0, head)

@@ -28,7 +28,8 @@ from servelab.blocks import (  # noqa: E402
     KVCacheManager,
     SlidingWindowSpec,
 )
-from servelab.models import load_model  # noqa: E402
+from servelab.blocks.specs import blocks_needed_alone  # noqa: E402
+from servelab.models import build_tiny_model, load_model  # noqa: E402
 from servelab.pipeline.hybrid import HybridModelRunner  # noqa: E402
 
 
@@ -209,6 +210,38 @@ def _poison(pipe, block_ids):
                     view[b, slot] = _POISON[slot % 3]
 
 
+def _held(manager, rid) -> set[int]:
+    ids = manager.get_block_ids(rid)
+    return {i for row in ids for i in (row if isinstance(row, list) else [row])} - {0}
+
+
+def _run_poisoned(pipe, prompt_a, prompt_b, new):
+    """Run A; from step 1 on, B (a long chunked prefill) runs too; after every
+    step the blocks A released that B now owns are filled with NaN / +-inf.
+    Returns A's tokens and the poisoned block ids."""
+    manager = pipe.kv_cache_manager
+    a = pipe.add_request(prompt_a, SamplingParams(temperature=0.0, max_tokens=new))
+    tokens, released, poisoned, held_before = [], set(), set(), set()
+    for step in range(30):
+        if step == 1:  # B arrives while A runs (A prefills in chunks of 5, then decodes)
+            b = pipe.add_request(prompt_b, SamplingParams(temperature=0.0, max_tokens=1))
+        for event in pipe.step():
+            if event.request_id == a:
+                tokens += event.new_token_ids
+        if a not in manager.req_to_blocks:
+            break
+        if isinstance(manager, HybridKVCacheManager):
+            _check_tables(pipe)
+        held_a = _held(manager, a)
+        released |= held_before - held_a
+        held_before = held_a
+        reowned = _held(manager, b) & released if step >= 1 else set()
+        _poison(pipe, reowned)
+        poisoned |= reowned
+    pipe.abort_request(b)
+    return tokens, poisoned
+
+
 @pytest.mark.parametrize("backend", ["torch", "sdpa", "triton"])
 def test_released_block_reowned_and_poisoned_never_reaches_the_releaser(ckpt, backend):
     """Request A's sliding window releases blocks while A decodes; request B
@@ -225,30 +258,28 @@ def test_released_block_reowned_and_poisoned_never_reaches_the_releaser(ckpt, ba
     try:
         pipe = Pipeline(model, attention_backend=backend, block_size=2, num_blocks=24, max_num_batched_tokens=5,
                         enable_prefix_caching=False)
-        manager = pipe.kv_cache_manager
-        a = pipe.add_request(prompt_a, SamplingParams(temperature=0.0, max_tokens=new))
-        tokens, released, poisoned, held_before = [], set(), set(), set()
-        for step in range(30):
-            if step == 1:  # B arrives while A runs (A prefills in chunks of 5, then decodes)
-                b = pipe.add_request(prompt_b, SamplingParams(temperature=0.0, max_tokens=1))
-            for event in pipe.step():
-                if event.request_id == a:
-                    tokens += event.new_token_ids
-            if a not in manager.req_to_blocks:
-                break
-            _check_tables(pipe)
-            held_a = {i for ids in manager.get_block_ids(a) for i in ids}
-            released |= held_before - held_a
-            held_before = held_a
-            reowned = {i for ids in manager.get_block_ids(b) for i in ids} & released if step >= 1 else set()
-            _poison(pipe, reowned)
-            poisoned |= reowned
-        pipe.abort_request(b)
+        tokens, poisoned = _run_poisoned(pipe, prompt_a, prompt_b, new)
     finally:
         model.attention = "torch"
     assert poisoned, "no block A released was re-owned by B: the test did not test anything"
     assert tokens == _hf_greedy(hf, prompt_a, new)
-    assert manager.num_free_blocks == pipe.num_blocks - 1
+    assert pipe.kv_cache_manager.num_free_blocks == pipe.num_blocks - 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_single_sliding_group_nulls_released_blocks_too(tmp_path, backend):
+    """The same on a model whose every layer slides (Mistral): one group, the
+    plain KVCacheManager and ModelRunner."""
+    path = build_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=WINDOW, vocab_size=512)
+    model, config = load_model(path)
+    prompt_a = random_prompts([16], config.vocab_size, seed=11)[0]
+    prompt_b = random_prompts([60], config.vocab_size, seed=12)[0]
+    pipe = Pipeline(model, attention_backend=backend, block_size=2, num_blocks=13, max_num_batched_tokens=5,
+                    enable_prefix_caching=False)
+    assert type(pipe.kv_cache_manager) is KVCacheManager and pipe.runner.sliding_window == WINDOW
+    tokens, poisoned = _run_poisoned(pipe, prompt_a, prompt_b, 6)
+    assert poisoned, "no block A released was re-owned by B: the test did not test anything"
+    assert tokens == _hf_greedy(load_hf(path), prompt_a, 6)
 
 
 def test_given_hybrid_manager_is_checked(ckpt):
@@ -309,7 +340,7 @@ def test_admits_what_chunked_prefill_can_serve(gemma2_window8):
     prompt = random_prompts([40], config.vocab_size, seed=21)[0]
     params = SamplingParams(temperature=0.0, max_tokens=4)
     pipe = Pipeline(model, attention_backend="torch", block_size=4, num_blocks=20, max_num_batched_tokens=512)
-    assert pipe.kv_cache_manager.blocks_needed_alone(40, 40) == 20 > 19
+    assert blocks_needed_alone(pipe.kv_cache_manager.specs, 40, 40) == 20 > 19
     out = pipe.generate([prompt], params)[0]
     assert out.finish_reason == "length" and list(out.token_ids) == _hf_greedy(hf, prompt, 4)
     assert pipe.kv_cache_manager.num_free_blocks == 19
