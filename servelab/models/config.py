@@ -1,13 +1,17 @@
 """Model configuration: read a Hugging Face ``config.json`` and refuse what we can't run.
 
-:class:`ModelConfig` is the flat, validated view of a Llama-family config
-the model is built from. It is produced by :func:`load_config` (a local
-checkpoint folder, through ``transformers.AutoConfig``) or
-:meth:`ModelConfig.from_hf` (a config object in memory). Anything the decoder
-does not implement — another architecture, a non-SiLU activation, mixture of
-experts, an unknown RoPE type, quantized weights, logit soft-capping... —
-raises ``ValueError`` naming the field and its value, so a checkpoint never
-runs with a silently different computation.
+:class:`ModelConfig` is the flat, validated view of a config the model is
+built from. It is produced by :func:`load_config` (a local checkpoint
+folder, through ``transformers.AutoConfig``) or :meth:`ModelConfig.from_hf`
+(a config object in memory), which hands the config to the reader its
+architecture registered (:mod:`servelab.models.registry`):
+:func:`llama_family_config` for Llama / Qwen2 / Mistral, and, for families
+built on the same fields (Qwen3, Gemma 2, Gemma 3), their own reader over
+:func:`derived_config`. Anything the decoder does not implement — an
+unregistered architecture, a non-SiLU activation, mixture of experts, an
+unknown RoPE type, quantized weights... — raises ``ValueError`` naming the
+field and its value, so a checkpoint never runs with a silently different
+computation.
 
 End of sequence and generation defaults come from both files a checkpoint
 may have: ``eos_token_id`` (an int or a list) of ``config.json`` *and* of
