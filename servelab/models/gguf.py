@@ -243,25 +243,42 @@ def convert_gguf(file: str | Path, out: str | Path) -> Path:
 
 @contextmanager
 def _one_reader() -> Iterator[None]:
-    """Within the block, every ``gguf.GGUFReader(path)`` of the same file is one
-    parsed reader. The header check, transformers' config, weights and
-    tokenizer each open the file, and parsing a large vocabulary's metadata
-    (Gemma 3: 262,144 tokens) takes seconds per open."""
+    """Within the block, a GGUF file is parsed as few times as transformers allows.
+
+    The header check, transformers' config, weights and tokenizer each open
+    the file, and parsing a large vocabulary's metadata (Gemma 3: 262,144
+    tokens, in Python) takes seconds per open: every ``gguf.GGUFReader(path)``
+    of the same file is one reader, and transformers' metadata-only
+    ``load_gguf_checkpoint(path, return_tensors=False)`` is computed once
+    (each caller gets its own copy). Both are looked up at call time by their
+    callers, so patching the module attributes reaches them; they are
+    restored on exit."""
+    import copy
+
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    original, readers = gguf.GGUFReader, {}
+    original_reader, original_load, readers, metadata = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, {}, {}
 
-    def shared(path: Any, mode: str = "r") -> Any:
+    def shared_reader(path: Any, mode: str = "r") -> Any:
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = original_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared  # transformers imports it from the module at each call
+    def shared_load(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return original_load(path, return_tensors=return_tensors, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in metadata:
+            metadata[key] = original_load(path, return_tensors=False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, shared_load
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original_reader, original_load
 
 
 def _convert(file: str | Path, out: str | Path) -> Path:
