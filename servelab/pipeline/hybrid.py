@@ -269,9 +269,9 @@ class HybridModelRunner(ModelRunner):
         longest = int(seq_lens.max())
         first = seq_lens - np.diff(qsl)  # each request's first position this step (its computed tokens)
         metas = []
-        for g, bs in enumerate(self.group_block_sizes):
-            if self.group_windows[g] is not None:
-                null_released_blocks(self._bts[g], rows, first, self.group_windows[g], bs)
+        for g, (bs, window) in enumerate(zip(self.group_block_sizes, self.group_windows)):
+            if window is not None:
+                null_released_blocks(self._bts[g], rows, first, window, bs)
             slots = self._bts[g][token_rows, positions // bs].astype(np.int64) * bs + positions % bs
             metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots),
                                            block_table=self.block_tables[g][rows_t][:, : -(-longest // bs)],
