@@ -26,7 +26,8 @@ then:
 Trees whose scheduled prefix is a chain take the chain path (no mask, no
 compaction). Runners that cannot lay a tree out (``supports_draft_trees =
 False``: the hybrid runner), and verifiers without ``verify_trees``, get each
-tree's first branch instead (:meth:`TreeSteps._as_proposed`).
+tree's first branch instead (:meth:`TreeSteps._as_proposed`), and so do
+models with sliding-window layers (a window counts slots, not tree depths).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class TreeSteps:
     """False for runners whose attention metadata cannot carry a tree mask."""
 
     def _trees_enabled(self) -> bool:
-        return self.supports_draft_trees and callable(getattr(self.verifier, "verify_trees", None))
+        # A sliding window counts positions by slot; tree nodes sit at depth-based positions.
+        windows = getattr(getattr(self.model, "config", None), "sliding_windows", None) or ()
+        return (self.supports_draft_trees and callable(getattr(self.verifier, "verify_trees", None))
+                and all(window is None for window in windows))
 
     def _as_proposed(self, proposal: Any, k: int) -> tuple[list[int], DraftTree | None, torch.Tensor | None]:
         """(drafts for the scheduler, the tree to remember or None for a chain, probs) of a proposal."""

@@ -40,7 +40,11 @@ def early_exit_view(target: Any, num_layers: int) -> Any:
     view._modules = dict(view._modules)
     view._modules["model"] = inner
     view.__dict__.pop("_plan_memory", None)  # attention state carried between forwards is per model object
-    view.__dict__["config"] = dataclasses.replace(target.config, num_hidden_layers=num_layers)
+    changes: dict[str, Any] = {"num_hidden_layers": num_layers}
+    windows = getattr(target.config, "sliding_windows", None)
+    if windows is not None:  # per-layer settings follow the kept layers
+        changes["sliding_windows"] = tuple(windows)[:num_layers]
+    view.__dict__["config"] = dataclasses.replace(target.config, **changes)
     return view
 
 
