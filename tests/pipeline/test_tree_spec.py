@@ -263,3 +263,13 @@ def test_logprobs_come_from_each_emitted_tokens_own_slot(tiny):
         for a, b in zip(got.logprobs, want.logprobs):
             assert [t for t, _ in a] == [t for t, _ in b]
             assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+
+
+def test_sliding_window_models_get_first_branches(tiny):
+    """Mistral's window counts slots, not tree depths: its trees are verified as their first branch."""
+    prompts = random_prompts([5, 30], seed=3)
+    want, _ = _greedy(tiny["mistral"], prompts)
+    drafter = HiddenBranchDrafter({tuple(p): w for p, w in zip(prompts, want)}, 512)
+    got, pipe = _greedy(tiny["mistral"], prompts, drafter=drafter, num_speculative_tokens=6, verifier="tree")
+    assert got == want
+    assert pipe.last_run_metrics.num_accepted_tokens == 0  # the first branch is the wrong one
