@@ -75,6 +75,7 @@ import itertools
 import time
 from collections.abc import Callable
 
+from servelab._internal.conformance import check_conforms
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
@@ -92,9 +93,6 @@ from servelab.scheduling.step import raised as _raised
 from servelab.scheduling.transitions import PREEMPTED, RUNNING, WAITING, RequestTransitions
 
 _NO_BLOCKS: tuple[int, ...] = ()
-# What the scheduler calls on its KV cache manager (a subset of KVCacheManagerProtocol).
-_KV_MEMBERS = ("block_size", "enable_caching", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
-               "get_block_ids")
 
 
 class Scheduler(RequestTransitions):
@@ -125,10 +123,7 @@ class Scheduler(RequestTransitions):
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        missing = [m for m in _KV_MEMBERS if not hasattr(kv_cache_manager, m)]
-        if missing:
-            raise TypeError(f"kv_cache_manager ({type(kv_cache_manager).__name__}) lacks {missing}; it must implement "
-                            "servelab.blocks.interfaces.KVCacheManagerProtocol")
+        check_conforms(kv_cache_manager, KVCacheManagerProtocol, "kv_cache_manager")
         kv_len = getattr(kv_cache_manager, "max_model_len", None)
         if kv_len is not None and kv_len < config.max_model_len:
             raise ValueError(f"kv_cache_manager.max_model_len={kv_len} is below SchedulerConfig.max_model_len="

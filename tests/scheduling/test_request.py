@@ -101,6 +101,6 @@ def test_scheduler_rejects_a_cache_shorter_than_max_model_len_and_unknown_polici
         Scheduler({"max_num_seqs": 4}, KVCacheManager(spec, 8))
     with pytest.raises(TypeError, match="SchedulingPolicy"):
         Scheduler(SchedulerConfig(), KVCacheManager(spec, 8), object())
-    with pytest.raises(TypeError, match=r"lacks \['cache_blocks'"):
+    with pytest.raises(TypeError, match=r"KVCacheManagerProtocol: it lacks .*cache_blocks\(\)"):
         Scheduler(SchedulerConfig(), SimpleNamespace(block_size=4, enable_caching=False, get_computed_blocks=None,
                                                      allocate_slots=None, free=None, get_block_ids=None))
