@@ -197,6 +197,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         self.scheduler_config = self.config.scheduler_config(self.max_model_len)
         self.scheduler = build_scheduler(scheduler, self.scheduler_config, self.kv_cache_manager,
                                          self.config.scheduler.policy, self.clock)
+        # a scheduler that owns the allocation (vLLM's) reports KV usage through its own view
+        self.kv_cache_manager = getattr(self.scheduler, "kv_cache_manager", self.kv_cache_manager)
         own_config = getattr(self.scheduler, "config", None)
         if isinstance(own_config, SchedulerConfig):  # a ready object brings its own limits
             self.scheduler_config = own_config
