@@ -15,6 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from servelab.config import SchedulerConfig
+
 EPILOG = """\
 examples:
   servelab demo                          the pipeline on the embedded tiny Llama
@@ -303,9 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--num-blocks", type=_positive_int, default=4096)
     sim.add_argument("--block-size", type=_positive_int, default=16)
     sim.add_argument("--no-prefix-caching", action="store_true")
-    sim.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    sim.add_argument("--max-model-len", type=_positive_int, default=8192)
+    # SchedulerConfig's defaults: servelab's one set of scheduling defaults
+    sim.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs)
+    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=SchedulerConfig.max_num_batched_tokens)
+    sim.add_argument("--max-model-len", type=_positive_int, default=SchedulerConfig.max_model_len)
     sim.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=0)
     sim.add_argument("--cost-model", default="0.009,7e-5,3.5e-7",
                      help="seconds per step: BASE,PER_TOKEN,PER_KV_TOKEN")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from servelab._internal.conformance import check_conforms
+from servelab.attention.backends import default_attention_backend
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.config import PipelineConfig
 from servelab.scheduling.config import SchedulerConfig
@@ -31,21 +32,12 @@ def _probe(model: Any, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def auto_attention_backend(model: Any, block_size: int) -> str:
-    """``"sdpa"`` on the CPU / ``"triton"`` on CUDA when that backend supports
-    the model (``supports()`` says None), else ``"torch"`` (the references)."""
-    from servelab.attention.backends import get_attention_backend
-
-    candidate = {"cpu": "sdpa", "cuda": "triton"}.get(model.device.type)
-    if candidate is None:
-        return "torch"
-    try:
-        backend = get_attention_backend(candidate)
-    except ValueError:  # not registered in this build
-        return "torch"
+    """What ``attention_backend="auto"`` means for ``model``: the one rule,
+    :func:`servelab.attention.backends.default_attention_backend`, given a probe of the model."""
     query, key_cache = _probe(model, block_size)
-    reason = backend.supports(query, key_cache, sliding_window=model.config.sliding_window,
-                              softcap=getattr(model, "attn_softcap", None))  # Gemma 2
-    return candidate if reason is None else "torch"
+    return default_attention_backend(model.device, query=query, key_cache=key_cache,
+                                     sliding_window=model.config.sliding_window,
+                                     softcap=getattr(model, "attn_softcap", None))  # Gemma 2
 
 
 def attach_attention(model: Any, setting: Any, block_size: int) -> str:

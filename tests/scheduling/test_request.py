@@ -82,7 +82,7 @@ def test_request_metrics():
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": 16},
          "max_num_batched_tokens"),
-        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "long_prefill_token_threshold": 8},
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "long_prefill_token_threshold": 8},
          "long_prefill_token_threshold"),
     ],
 )
