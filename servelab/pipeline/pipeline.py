@@ -215,7 +215,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         eos = () if self.eos_token_id is None else (self.eos_token_id, *self._extra_eos)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
                                                   backend=self.config.grammar_backend)
-        runner_cls, extra = ModelRunner, {}
+        runner_cls: type[ModelRunner] | type[HybridModelRunner] = ModelRunner
+        extra: dict[str, Any] = {}
         if self.kv_cache_groups is not None:  # one block table and metadata per KV-cache group
             runner_cls, extra = HybridModelRunner, {"groups": self.kv_cache_groups}
         self.runner = runner_cls(self.model, self.kv_caches, self.block_size, max_model_len=self.max_model_len,

@@ -137,7 +137,7 @@ class VllmPipelineScheduler:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_prefix_caching=self.enable_caching,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            policy=policy if native else "fcfs", reserve_full_prompt=True)
+            policy=str(policy) if native else "fcfs", reserve_full_prompt=True)
         self.kv_cache_manager = _VllmKVView(kv_cache_manager, self.vllm)
         self.requests: dict[str, Request] = {}
         self._delivered: set[str] = set()  # requests the runner was sent as new (and not rolled back as new)
