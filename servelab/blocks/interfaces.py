@@ -43,7 +43,7 @@ from servelab.blocks.request import KVCacheRequest
 if TYPE_CHECKING:
     from servelab.blocks.free_queue import KVCacheBlock
     from servelab.blocks.hashing import BlockHash
-    from servelab.blocks.kv_cache_manager import PrefixCacheStats
+    from servelab.blocks.stats import PrefixCacheStats
     from servelab.blocks.specs import KVCacheSpec
 
 __all__ = ["BlockPoolProtocol", "EvictionPolicy", "KVCacheManagerProtocol", "KVCacheRequest"]
