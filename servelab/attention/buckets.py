@@ -7,6 +7,8 @@ contexts the same way; kept apart so neither imports the other.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["BUCKET_OVERHEAD", "DECODE_BUCKET_OVERHEAD", "MAX_BUCKET", "bucket_sequences"]
 
 
@@ -44,14 +46,14 @@ def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
     """
     order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
     n = len(order)
-    best: list[int | None] = [0] + [None] * n  # best[j]: least cost of order[:j]
+    best: list[float] = [0.0] + [math.inf] * n  # best[j]: least cost of order[:j]
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         max_q, max_kv = 0, kv_lens[order[j - 1]]  # sorted: the run's last sequence has the longest context
         for i in range(j - 1, max(-1, j - 1 - MAX_BUCKET), -1):
             max_q = max(max_q, q_lens[order[i]])
             cost = best[i] + overhead + (j - i) * max_q * max_kv
-            if best[j] is None or cost < best[j]:
+            if cost < best[j]:
                 best[j], cut[j] = cost, i
     buckets, j = [], n
     while j > 0:
