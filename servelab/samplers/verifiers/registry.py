@@ -42,8 +42,9 @@ def check_verifier(obj: object) -> None:
     """Raise ``TypeError`` unless ``obj`` implements the :class:`Verifier` protocol
     (every missing member named; ``name`` must be a str)."""
     check_conforms(obj, Verifier, "verifier")
-    if not isinstance(obj.name, str):
-        raise TypeError(f"verifier {type(obj).__name__}.name must be a str, got {type(obj.name).__name__}")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"verifier {type(obj).__name__}.name must be a str, got {type(name).__name__}")
 
 
 _VERIFIERS: Registry[Verifier] = Registry("verifier", factory=True, check=check_verifier)
