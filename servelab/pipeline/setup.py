@@ -13,8 +13,12 @@ import torch
 
 from servelab._internal.conformance import check_conforms
 from servelab.attention.backends import default_attention_backend
+from servelab.blocks import KVCacheManager
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.config import PipelineConfig
+from servelab.models import kv_cache_spec
+from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, check_groups_fit, wants_kv_cache_groups
+from servelab.samplers.drafters import DraftModelDrafter, resolve_drafter
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.interfaces import SchedulerInterface
 from servelab.scheduling.schedulers import get_scheduler
@@ -81,10 +85,6 @@ def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: in
     :mod:`servelab.pipeline.sizing` for the default pool size), or, with
     ``kv_cache_groups="auto"`` and layers of different kinds, a
     :class:`~servelab.blocks.HybridKVCacheManager` (see :mod:`servelab.pipeline.hybrid`)."""
-    from servelab.blocks import KVCacheManager
-    from servelab.models import kv_cache_spec
-    from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, wants_kv_cache_groups
-
     cache = config.cache
     if wants_kv_cache_groups(cache.kv_cache_groups, model):
         return build_hybrid_kv_cache_manager(cache, model, max_model_len,
@@ -107,8 +107,6 @@ def check_manager(manager: KVCacheManagerProtocol, model: Any) -> None:
     check_conforms(manager, KVCacheManagerProtocol, "kv_cache_manager")
     groups = getattr(manager, "groups", None)
     if groups is not None:  # a HybridKVCacheManager (any number of groups)
-        from servelab.pipeline.hybrid import check_groups_fit
-
         check_groups_fit(groups, model)
         return
     cfg = model.config
@@ -154,8 +152,6 @@ def build_drafter(config: PipelineConfig, model: Any, *, block_size: int, num_bl
                   max_num_seqs: int, vocab_size: int) -> Any:
     """The configured drafter (None without speculation); a draft model gets a
     KV pool as large as the target's plus each request's lookahead."""
-    from servelab.samplers.drafters import DraftModelDrafter, resolve_drafter
-
     drafter = resolve_drafter(config.speculative.drafter, dtype=model.dtype, device=model.device,
                               attention=model.attention, block_size=block_size)
     if isinstance(drafter, DraftModelDrafter):
