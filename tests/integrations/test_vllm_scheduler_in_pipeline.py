@@ -78,8 +78,13 @@ def test_a_failed_step_fails_its_requests_only_and_leaks_nothing(tiny):
 
 def test_a_request_that_can_never_fit_fails_instead_of_waiting_forever(tiny):
     pipe = Pipeline.from_pretrained(tiny, scheduler="vllm", num_blocks=4, block_size=4)
-    out = pipe.generate(["word " * 40], GREEDY)[0]
+    out = pipe.generate(["word " * 40], GREEDY)[0]  # its prompt alone does not fit
     assert out.finish_reason == "error" and "cannot fit" in out.error
+    pipe = Pipeline.from_pretrained(tiny, scheduler="vllm", num_blocks=8, block_size=4)
+    outs = pipe.generate(["The cache", "A block table"], SamplingParams(temperature=0, max_tokens=40))
+    assert "error" in {o.finish_reason for o in outs}  # grows past the pool alone: fails, no endless retry
+    assert all("cannot fit" in o.error for o in outs if o.finish_reason == "error")
+    assert pipe.kv_cache_manager.num_free_blocks == 7
 
 
 def test_speculative_decoding_is_refused_with_the_reason(tiny):

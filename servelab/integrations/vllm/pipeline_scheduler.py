@@ -242,7 +242,7 @@ class VllmPipelineScheduler:
         """vLLM's ``schedule()``, translated (see the module docstring)."""
         vout = self.vllm.schedule()
         if not vout.total_num_scheduled_tokens:
-            self._fail_unfittable()
+            self._fail_unfittable()  # nothing admitted although every block is free: it never will be
         now = self.clock()
         self.num_steps += 1
         requests, vreqs = self.requests, self.vllm.requests
@@ -303,9 +303,9 @@ class VllmPipelineScheduler:
         if request is None:
             return
         pool = v.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        request.error = (f"request {head.request_id!r} cannot fit in the KV cache even alone: its prompt needs "
-                         f"{-(-request.num_prompt_tokens // self.block_size)} blocks of {self.block_size} tokens "
-                         f"and the cache has {pool} usable blocks; add KV blocks or shorten the prompt")
+        request.error = (f"request {head.request_id!r} cannot fit in the KV cache even alone: it needs room for "
+                         f"{head.num_tokens + 1} tokens ({self.block_size}-token blocks) and the cache has {pool} "
+                         "usable blocks; add KV blocks or lower max_model_len / max_tokens")
         self._pending.append(self._finish(request, RequestStatus.FINISHED_FAILED))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
