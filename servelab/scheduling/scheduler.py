@@ -76,7 +76,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from servelab._internal.conformance import check_conforms
 from servelab.blocks.interfaces import KVCacheManagerProtocol
@@ -356,8 +357,8 @@ class Scheduler(RequestTransitions):
             if new_blocks is not None:
                 return new_blocks, i, n
 
-    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: object = None
-                        ) -> tuple[list | None, int]:
+    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: Sequence[Any] | None = None
+                        ) -> tuple[Sequence[Any] | None, int]:
         """``req`` has the pool to itself and ``n`` tokens find no room: a manager
         with ``max_chunk_alone`` (the hybrid one: sliding windows need only the
         window plus one chunk) may serve it in smaller chunks. Returns the new
