@@ -30,8 +30,8 @@ def run(path, scheduler, prompts=PROMPTS, params=GREEDY, **settings):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return build_tiny_model("tiny")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "sjf"])

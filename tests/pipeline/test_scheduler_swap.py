@@ -14,8 +14,8 @@ PROMPTS = ["The cache", "A block table holds"]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    path = build_tiny_model("tiny")
+def tiny(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
     return path, Pipeline.from_pretrained(path).generate(PROMPTS, GREEDY)
 
 
