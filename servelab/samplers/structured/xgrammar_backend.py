@@ -1,4 +1,15 @@
-"""The default grammar backend: xgrammar (CPU, C++ matcher, packed int32 bitmasks)."""
+"""The default grammar backend: xgrammar (CPU, C++ matcher, packed int32 bitmasks).
+
+JSON schemas go through the pre-pass first
+(:func:`~servelab.samplers.structured.schema_audit.audit_json_schema`): the
+backend compiles the audited schema, and :meth:`XGrammarBackend.audit` tells
+the pipeline which keywords stay unenforced. The converted grammar then gets
+one more fix: strings with ``minLength``/``maxLength`` are compiled to a
+character class that admits raw control characters (U+0000-U+001F), which
+strict JSON parsers refuse; :func:`exclude_control_characters` removes them
+from that class (the grammar's text round-trips exactly through xgrammar's
+EBNF parser).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +21,7 @@ from typing import Any
 import torch
 
 from servelab.samplers.structured.params import StructuredOutputsParams
+from servelab.samplers.structured.schema_audit import SchemaAudit, audit_json_schema
 
 try:
     import xgrammar as xgr
@@ -18,6 +30,15 @@ except ImportError as exc:  # pragma: no cover - exercised by the missing-extra 
                       f"(or pip install xgrammar); import failed: {exc}") from exc
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# The bounded-string character class of xgrammar's JSON-schema converter, as its EBNF prints it, and the
+# same class without control characters (the one its unbounded strings use).
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_BOUNDED_CHARS_FIXED = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def exclude_control_characters(ebnf: str) -> str:
+    """The grammar text with raw control characters taken out of bounded strings' character class."""
+    return ebnf.replace(_BOUNDED_CHARS, _BOUNDED_CHARS_FIXED)
 
 
 class XGrammarMatcher:
@@ -66,8 +87,9 @@ class XGrammarBackend:
         kind, value = params.kind, getattr(params, params.kind)
         try:
             if kind == "json":
-                text = value if isinstance(value, str) else json.dumps(value)
-                return self._compiler.compile_json_schema(text, any_whitespace=False)
+                text = json.dumps(self.audit(params).schema)
+                grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=params.strict)
+                return self._compiler.compile_grammar(exclude_control_characters(str(grammar)))
             if kind == "regex":
                 return self._compiler.compile_regex(value)
             if kind == "grammar":
@@ -78,6 +100,12 @@ class XGrammarBackend:
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             message = _LOG_PREFIX.sub("", lines[0])  # drop xgrammar's "[time] file.cc:line: "
             raise ValueError(f"structured_outputs {kind}= does not compile: {message}") from None
+
+    def audit(self, params: StructuredOutputsParams) -> SchemaAudit | None:
+        """The schema pre-pass for a ``json=`` constraint (None for the other kinds)."""
+        if params.kind != "json":
+            return None
+        return audit_json_schema(params.schema, strict=params.strict)
 
     def new_matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))  # rollback depth is unlimited
