@@ -19,6 +19,7 @@ from typing import Any
 
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
+from servelab.pipeline.prompt_logprobs import render_prompt_logprobs
 from servelab.samplers.structured.validation import schema_violations
 from servelab.scheduling import Request, RequestMetrics, RequestOutput, RequestStatus
 
@@ -116,6 +117,7 @@ class OutputDelivery:
         if out.logprobs is not None:
             result.logprobs = (result.logprobs or []) + list(out.logprobs)[: len(new)]
         result.token_ids += new
+        self._take_prompt_logprobs(result)
         if stop is not None:
             metrics = out.metrics or tracked.request.metrics()
             n = len(result.token_ids)
@@ -131,9 +133,9 @@ class OutputDelivery:
 
     def _take_prompt_logprobs(self, result: GenerationOutput) -> None:
         """Move a request's prompt logprobs from the runner to its output, once they are complete."""
-        pending = getattr(self.runner, "finished_prompt_logprobs", None)
+        pending = self.runner.prompt_logprobs.finished
         if pending and result.request_id in pending:
-            result.prompt_logprobs = self._render_prompt_logprobs(pending.pop(result.request_id))
+            result.prompt_logprobs = render_prompt_logprobs(pending.pop(result.request_id), self.tokenizer)
 
     def _finish(self, tracked: Tracked, reason: str, metrics: RequestMetrics | None, new: list[int], text: str,
                 *, stop_reason: Any = None, error: str | None = None) -> None:

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from servelab.models import AttentionMetadata
+from servelab.pipeline.prompt_logprobs import PromptLogprobsCollector
 from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
 from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
 from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
@@ -133,6 +134,8 @@ class ModelRunner(SamplingSteps):
         self.requests: dict[str, CachedRequestState] = {}
         self.last_verification: list[tuple[int, int]] = []
         """(drafts verified, drafts accepted) per request verified in the last step."""
+        self.prompt_logprobs = PromptLogprobsCollector()
+        """Prompt logprobs of requests that ask (:mod:`servelab.pipeline.prompt_logprobs`)."""
 
     # ---- persistent state -------------------------------------------------
 
@@ -171,6 +174,7 @@ class ModelRunner(SamplingSteps):
         as a request ends, so nothing lingers until the next step."""
         self._detach(req_id)
         self.requests.pop(req_id, None)
+        self.prompt_logprobs.discard(req_id)
 
     def rollback(self, so: SchedulerOutput) -> None:
         """Undo what a failed or interrupted :meth:`execute` of ``so`` did: every
@@ -200,6 +204,7 @@ class ModelRunner(SamplingSteps):
             state.row = self._take_row()
             self._set_blocks(state, new.block_ids, append=False)
             self.requests[new.req_id] = state
+            self.prompt_logprobs.add(new.req_id, getattr(params, "prompt_logprobs", None), new.prompt_token_ids)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -334,6 +339,8 @@ class ModelRunner(SamplingSteps):
         batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
         input_ids, positions, meta, ends = self._prepare(so, batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.prompt_logprobs.pending:  # requests asking for prompt logprobs: their prompt positions' logits
+            self.prompt_logprobs.collect(self.model, batch, hidden, ends)
 
         plain, verify = self._rows_to_sample(batch, spec)
         sampled: list[list[int]] = [[] for _ in batch]
