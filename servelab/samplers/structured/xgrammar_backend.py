@@ -41,6 +41,14 @@ def exclude_control_characters(ebnf: str) -> str:
     return ebnf.replace(_BOUNDED_CHARS, _BOUNDED_CHARS_FIXED)
 
 
+def json_schema_grammar(params: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` compiled for a ``json=`` constraint: the audited schema, converted
+    (no free whitespace; strict mode per ``params.strict``), control characters out of bounded strings."""
+    schema = audit_json_schema(params.schema, strict=params.strict).schema
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=params.strict)
+    return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
+
+
 class XGrammarMatcher:
     """A :class:`~servelab.samplers.structured.backend.GrammarMatcher` over ``xgrammar.GrammarMatcher``."""
 
@@ -87,9 +95,7 @@ class XGrammarBackend:
         kind, value = params.kind, getattr(params, params.kind)
         try:
             if kind == "json":
-                text = json.dumps(self.audit(params).schema)
-                grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=params.strict)
-                return self._compiler.compile_grammar(exclude_control_characters(str(grammar)))
+                return self._compiler.compile_grammar(json_schema_grammar(params))
             if kind == "regex":
                 return self._compiler.compile_regex(value)
             if kind == "grammar":
