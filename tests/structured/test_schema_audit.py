@@ -43,6 +43,8 @@ CASES = {
                             '{"a": "s"}', '{"a": 1}', True),
     "required-only oneOf, wrong type": ({"type": "object", "properties": OBJ,
                                          "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}, "[]", '{"b": 1}', True),
+    "allOf of required choices": ({"type": "object", "properties": OBJ, "allOf": [
+        {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, {"required": ["a"]}]}, '{"b": 1}', '{"a": 1}', True),
     "draft-4 exclusiveMaximum": ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "number",
                                   "maximum": 3, "exclusiveMaximum": True}, "3", "2", True),
     "number multipleOf": ({"type": "number", "multipleOf": 0.5}, "0.3", "1.5", "multipleOf"),

@@ -118,7 +118,7 @@ class StructuredOutputsParams:
         kind, value = self.kind, getattr(self, self.kind)
         if kind == "json":
             value = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-            return kind, ("strict:" if self.strict else "lax:") + value
+            return (kind if self.strict else "json-lax"), value
         if kind == "choice":
             value = json.dumps(list(value))
         return kind, value

@@ -28,8 +28,11 @@ string stop inside it (``^a(?:x*\\+b)?$`` takes "ax")
 ignored (anything is accepted)
 ``oneOf``: exclusivity not enforced (acts as anyOf)    reported unless the
                                                        branches are disjoint
-``allOf`` with two or more branches: the whole        reported (with every
-subschema is ignored                                   sibling keyword)
+``allOf`` with two or more branches: the whole        flattened when its parts
+subschema is ignored                                   are ``required`` and
+                                                       required-only ``anyOf``;
+                                                       else reported (with
+                                                       every sibling keyword)
 ``not``, ``if``/``then``/``else``, ``uniqueItems``,    reported
 ``contains``/``minContains``/``maxContains``,
 ``dependencies``/``dependentRequired``/
@@ -62,6 +65,8 @@ from servelab.samplers.structured.pattern_rewrite import intersect_length, rewri
 
 __all__ = ["SchemaAudit", "Unenforced", "audit_json_schema"]
 
+MAX_PRODUCT = 64
+"""Most ``anyOf`` branches an ``allOf`` of required-only choices is flattened into."""
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "$schema", "$id", "id",
                           "deprecated", "readOnly", "writeOnly"})
 _IGNORED = {
@@ -131,7 +136,7 @@ class _Auditor:
         if not isinstance(node, dict):
             return
         self._rewrite_draft4(node, path)
-        self._distribute_required_branches(node, path)
+        self._flatten_required_all_of(node, path)
         self._check_numbers(node, path)
         self._check_strings(node, path)
         self._check_arrays(node, path)
@@ -141,6 +146,8 @@ class _Auditor:
                 self.report(path, keyword, reason)
         for child, child_path in _children(node, path):
             self.visit(child, child_path)
+        # Last: the branches get copies of the siblings as audited (and reported) at this path.
+        self._distribute_required_branches(node, path)
 
     def _rewrite_draft4(self, node: dict[str, Any], path: str) -> None:
         for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
@@ -154,6 +161,40 @@ class _Auditor:
             if "additionalItems" in node:
                 node["items"] = node.pop("additionalItems")
             self.rewrote(path, "draft-4 array-form items -> prefixItems")
+
+    def _flatten_required_all_of(self, node: dict[str, Any], path: str) -> None:
+        """``allOf`` of ``{required}`` and ``{anyOf: [{required}...]}`` -> one ``required`` and one
+        ``anyOf`` over the product of the choices (exact; at most :data:`MAX_PRODUCT` branches)."""
+        parts = node.get("allOf")
+        if not isinstance(parts, list) or not parts or "oneOf" in node:
+            return
+        choices: list[list[list[str]]] = []
+        required = list(node.get("required", []))
+        own = [{"anyOf": node["anyOf"]}] if "anyOf" in node else []
+        for part in own + parts:
+            if not isinstance(part, dict) or not set(part) <= _ANNOTATIONS | {"required", "anyOf"}:
+                return
+            if not all(isinstance(r, str) for r in part.get("required", [])):
+                return
+            required += [r for r in part.get("required", []) if r not in required]
+            if "anyOf" in part:
+                branches = part["anyOf"]
+                if not isinstance(branches, list) or not branches or not all(
+                        isinstance(b, dict) and set(b) <= _ANNOTATIONS | {"required"} for b in branches):
+                    return
+                choices.append([list(b.get("required", [])) for b in branches])
+        combos: list[list[str]] = [[]]
+        for options in choices:
+            combos = [c + [r for r in option if r not in c] for c in combos for option in options]
+            if len(combos) > MAX_PRODUCT:
+                return
+        del node["allOf"]
+        node.pop("anyOf", None)
+        if required:
+            node["required"] = required
+        if choices:
+            node["anyOf"] = [{"required": combo} for combo in combos]
+        self.rewrote(path, f"allOf of required-only parts -> required + anyOf of {len(combos)} branches")
 
     def _distribute_required_branches(self, node: dict[str, Any], path: str) -> None:
         """``S + anyOf/oneOf[{required: R_i}]`` -> ``anyOf/oneOf[S + {required: R_i}]`` (exact)."""
