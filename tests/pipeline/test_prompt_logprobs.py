@@ -194,3 +194,23 @@ def test_real_checkpoint_matches_transformers(one_torch_thread):
     out = pipe.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))[0]
     err = check_against(hf_prompt_logprobs(path, prompt), prompt, out.prompt_logprobs, 5)
     print(f"prompt logprobs max abs error vs transformers (SmolLM2, float32): {err:.2e}")
+
+
+def test_no_prompt_logits_for_requests_that_do_not_ask(tiny, one_torch_thread):
+    """compute_logits sees only sampled rows unless a request asks (then also its P - 1 prompt rows)."""
+    pipe = Pipeline.from_pretrained(tiny)
+    seen: list[int] = []
+    original = pipe.model.compute_logits
+
+    def spy(hidden):
+        seen.append(hidden.shape[0])
+        return original(hidden)
+
+    pipe.model.compute_logits = spy
+    prompts = [list(range(3, 23)), list(range(30, 45))]
+    pipe.generate(prompts, SamplingParams(temperature=0, max_tokens=3))
+    assert sum(seen) == 2 * 3  # one row per sampled token
+    seen.clear()
+    pipe.generate(prompts, [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1),
+                            SamplingParams(temperature=0, max_tokens=3)])
+    assert sum(seen) == 2 * 3 + len(prompts[0]) - 1
