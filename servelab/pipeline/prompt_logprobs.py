@@ -6,8 +6,8 @@ entries, ``None`` for the first token (nothing predicts it), then for token
 the prompt token itself (its logprob under the model's distribution at
 position ``j - 1``, and its rank: 1 + the number of tokens more likely, ties
 counted as ahead, i.e. ``#{t: logprob_t >= logprob_token}``) and the ``k`` most
-likely tokens (ranks 1..k; the prompt token appears once when it is among
-them). ``k = 0``: the prompt token only; ``k = -1``: the whole vocabulary.
+likely tokens (ranks 1..k; when the prompt token is among them it appears
+once, first, with its top-k rank — the two differ only under ties). ``k = 0``: the prompt token only; ``k = -1``: the whole vocabulary.
 Logprobs are ``log_softmax`` of the raw logits (no temperature, penalties or
 processors: those are sampling settings, the prompt was not sampled).
 
@@ -144,7 +144,7 @@ def render_prompt_logprobs(entry: _Entry, tokenizer: Any = None) -> list[dict[in
             continue
         token, lp, rank, top_ids, top_lp = row
         position = {token: Logprob(lp, rank, decode(token))}
-        for r, (t, v) in enumerate(zip(top_ids, top_lp), start=1):
-            position.setdefault(t, Logprob(v, r, decode(t)))
+        for r, (t, v) in enumerate(zip(top_ids, top_lp), start=1):  # a top-k entry replaces the prompt
+            position[t] = Logprob(v, r, decode(t))  # token's when it is one of them (its top-k rank, as vLLM)
         out.append(position)
     return out if entry.prompt else []
