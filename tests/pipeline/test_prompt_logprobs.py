@@ -214,3 +214,17 @@ def test_no_prompt_logits_for_requests_that_do_not_ask(tiny, one_torch_thread):
     pipe.generate(prompts, [SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1),
                             SamplingParams(temperature=0, max_tokens=3)])
     assert sum(seen) == 2 * 3 + len(prompts[0]) - 1
+
+
+def test_preemption_and_recompute_keep_them_exact(tiny, one_torch_thread):
+    """A pool too small for both requests: they are preempted and recomputed (mid-prefill too); every
+    prompt position is still there, equal to transformers'."""
+    pipe = Pipeline.from_pretrained(tiny, block_size=4, num_blocks=12, max_num_batched_tokens=8,
+                                    enable_prefix_caching=True)
+    prompts = [list(range(200, 222)), list(range(300, 321))]
+    outs = pipe.generate(prompts, SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1))
+    assert pipe.last_run_metrics.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        check_against(hf_prompt_logprobs(tiny, prompt), prompt, out.prompt_logprobs, 1)
+    assert pipe.kv_cache_manager.num_free_blocks == pipe.num_blocks - 1
