@@ -7,7 +7,8 @@ the prompt token itself (its logprob under the model's distribution at
 position ``j - 1``, and its rank: 1 + the number of tokens more likely, ties
 counted as ahead, i.e. ``#{t: logprob_t >= logprob_token}``) and the ``k`` most
 likely tokens (ranks 1..k; when the prompt token is among them it appears
-once, first, with its top-k rank — the two differ only under ties). ``k = 0``: the prompt token only; ``k = -1``: the whole vocabulary.
+once, first, with its top-k rank — the two differ only under ties).
+``k = 0``: the prompt token only; ``k = -1``: the whole vocabulary.
 Logprobs are ``log_softmax`` of the raw logits (no temperature, penalties or
 processors: those are sampling settings, the prompt was not sampled).
 
