@@ -29,6 +29,9 @@ Logits are computed only where a token is sampled: the last scheduled
 position of each request whose computation reaches its last known token (a
 chunked prefill still short of the end samples nothing), or, when drafts are
 being verified, the position before each draft and the bonus position.
+Requests that ask for prompt logprobs also get logits for their scheduled
+prompt positions (:mod:`servelab.pipeline.prompt_logprobs`; nothing is
+computed for the others).
 
 Sampling (:mod:`servelab.pipeline.sampling_steps`): requests without drafts
 go through ``Sampler.forward`` with a ``SamplingMetadata`` built for this

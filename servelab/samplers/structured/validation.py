@@ -36,7 +36,7 @@ def schema_violations(params: StructuredOutputsParams, text: str) -> list[str]:
     jsonschema = require_jsonschema()
     try:
         value = parse_strict_json(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         return [f"json: not strict JSON: {exc}"]
     schema = params.schema
     try:
