@@ -78,6 +78,8 @@ def count(path: Path, seeds: int, max_tokens: int, raw: bool) -> dict[str, int]:
         flagged = {u.split(" at ")[0] for u in out.structured_unenforced or []}
         counts["violations"] += bool(violated)
         counts["silent_violations"] += bool(violated - flagged)
+        if violated - flagged:
+            print(f"  silent: {entry['id']} violates {sorted(violated)}; flagged {sorted(flagged)}: {out.text[:200]!r}")
     return counts
 
 
@@ -85,11 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prepass-only", action="store_true", help="skip the raw conversion")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     path = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny", arch="llama")
     rows = []
-    for name, raw in (("xgrammar-raw", True), ("xgrammar+prepass", False)):
+    for name, raw in (("xgrammar-raw", True), ("xgrammar+prepass", False))[1 if args.prepass_only else 0:]:
         counts = count(path, args.seeds, args.max_tokens, raw)
         print(name, counts)
         for metric, value in counts.items():

@@ -26,6 +26,9 @@ string stop inside it (``^a(?:x*\\+b)?$`` takes "ax")
 ``anyOf``/``oneOf`` whose branches hold only           sibling keywords merged
 ``required``: sibling ``type``/``properties``          into every branch
 ignored (anything is accepted)
+other keywords next to ``anyOf``/``oneOf``: may be    reported (with the
+dropped (e.g. a sibling ``required`` next to           combinator)
+branches holding ``properties``)
 ``oneOf``: exclusivity not enforced (acts as anyOf)    reported unless the
                                                        branches are disjoint
 ``allOf`` with two or more branches: the whole        flattened when its parts
@@ -69,6 +72,7 @@ MAX_PRODUCT = 64
 """Most ``anyOf`` branches an ``allOf`` of required-only choices is flattened into."""
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "$schema", "$id", "id",
                           "deprecated", "readOnly", "writeOnly"})
+_DEFINITIONS = frozenset({"$defs", "definitions"})  # stay where they are: $refs point at them from the root
 _IGNORED = {
     "not": "ignored", "if": "if/then/else ignored", "uniqueItems": "ignored", "contains": "ignored",
     "minContains": "ignored", "maxContains": "ignored", "dependencies": "ignored",
@@ -199,13 +203,11 @@ class _Auditor:
     def _distribute_required_branches(self, node: dict[str, Any], path: str) -> None:
         """``S + anyOf/oneOf[{required: R_i}]`` -> ``anyOf/oneOf[S + {required: R_i}]`` (exact)."""
         combinators = [k for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)]
-        if len(combinators) != 1:
+        if not _required_only(node, combinators):
             return
         key = combinators[0]
         branches = node[key]
-        if not branches or not all(isinstance(b, dict) and set(b) <= _ANNOTATIONS | {"required"} for b in branches):
-            return
-        siblings = {k: v for k, v in node.items() if k != key and k not in _ANNOTATIONS}
+        siblings = {k: v for k, v in node.items() if k != key and k not in _ANNOTATIONS | _DEFINITIONS}
         if not siblings or "$ref" in siblings:
             return
         merged = []
@@ -258,6 +260,12 @@ class _Auditor:
             self.report(path, "allOf", "two or more branches: the backend ignores this whole subschema")
             for k in sorted(set(node) - _ANNOTATIONS - {"allOf", "$defs", "definitions"}):
                 self.report(path, k, "ignored: the subschema has an allOf with two or more branches")
+        combinators = [k for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)]
+        siblings = sorted(set(node) - _ANNOTATIONS - {"anyOf", "oneOf", "allOf", "$defs", "definitions"})
+        if combinators and siblings and not _required_only(node, combinators):
+            for k in combinators + siblings:
+                self.report(path, k, "the backend may drop keywords next to anyOf/oneOf (enforced only when "
+                                     "every branch holds just 'required')")
         if isinstance(node.get("oneOf"), list) and len(node["oneOf"]) >= 2 and not _disjoint(node["oneOf"]):
             self.report(path, "oneOf", "exclusivity is not enforced (acts as anyOf)")
         if "$ref" in node:
@@ -266,6 +274,15 @@ class _Auditor:
                 self.report(path, k, "ignored next to $ref")
         if "propertyNames" in node and ("properties" in node or "patternProperties" in node):
             self.report(path, "propertyNames", "ignored next to properties/patternProperties")
+
+
+def _required_only(node: dict[str, Any], combinators: list[str]) -> bool:
+    """One of anyOf/oneOf, every branch ``{required: [...]}`` (annotations aside), no ``$ref`` next to it:
+    the shape whose siblings can be distributed into the branches exactly."""
+    if len(combinators) != 1 or "$ref" in node:
+        return False
+    branches = node[combinators[0]]
+    return bool(branches) and all(isinstance(b, dict) and set(b) <= _ANNOTATIONS | {"required"} for b in branches)
 
 
 def _children(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
