@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,17 @@ def json_schema_grammar(params: StructuredOutputsParams) -> Any:
     (no free whitespace; strict mode per ``params.strict``), control characters out of bounded strings."""
     schema = audit_json_schema(params.schema, strict=params.strict).schema
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=params.strict)
-    return xgr.Grammar.from_ebnf(exclude_control_characters(str(grammar)))
+    text = str(grammar)
+    patched = exclude_control_characters(text)
+    if patched == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(patched)
+    except (RuntimeError, ValueError) as exc:  # the printed grammar did not parse back: keep the converter's
+        warnings.warn(f"structured outputs: bounded strings of this schema may admit raw control characters "
+                      f"(the grammar fix did not apply: {str(exc).splitlines()[0] if str(exc) else exc!r})",
+                      RuntimeWarning, stacklevel=2)
+        return grammar
 
 
 class XGrammarMatcher:
