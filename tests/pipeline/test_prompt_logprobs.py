@@ -81,12 +81,13 @@ def test_gather_matches_a_plain_loop():
 @pytest.mark.parametrize("settings", [
     {},
     {"max_num_batched_tokens": 8, "block_size": 4},  # chunked prefill: 4 chunks of the 27-token prompt
-], ids=["one-forward", "chunked"])
+    {"drafter": "ngram", "num_speculative_tokens": 2, "max_num_batched_tokens": 16},  # drafts after the prompt
+], ids=["one-forward", "chunked", "speculative"])
 def test_tiny_model_matches_transformers(tiny, settings, one_torch_thread):
     pipe = Pipeline.from_pretrained(tiny, **settings)
     prompts = [list(range(3, 30)), [5, 9, 11, 4, 4, 4, 7]]
-    outs = pipe.generate(prompts, [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
-                                   SamplingParams(temperature=0, max_tokens=2)])
+    outs = pipe.generate(prompts, [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=3),
+                                   SamplingParams(temperature=0, max_tokens=6)])
     check_against(hf_prompt_logprobs(tiny, prompts[0]), prompts[0], outs[0].prompt_logprobs, 3)
     assert outs[1].prompt_logprobs is None  # only requests that ask pay for it
 
