@@ -72,7 +72,10 @@ def simulate(
             max_num_seqs=256, max_model_len=8192)``.
         num_blocks, block_size, enable_prefix_caching, watermark: the KV
             cache (one full-attention group).
-        cost_model: seconds per step; default :class:`StepCostModel`.
+        cost_model: seconds per step: anything with ``time_of(scheduler_output)`` (a
+            :class:`StepCostModel`, fitted by :func:`.calibrate`, or a roofline from
+            ``StepCostModel.for_hardware``) or ``step_time(num_tokens, num_kv_tokens)``;
+            default :class:`StepCostModel`.
         ttft_slo_s, tpot_slo_s: SLOs for goodput.
         max_steps: stop after this many steps (raises if requests remain).
         eviction_policy: the KV block pool's eviction policy (a registered name
@@ -154,6 +157,8 @@ def _run(sched: Scheduler, kv: KVCacheManager, pending: list[TraceRequest], cloc
     next_arrival, total = 0, len(pending)
     steps = 0
     build = _RequestFactory()
+    time_of = getattr(cost, "time_of", None) or (
+        lambda out: cost.step_time(out.total_num_scheduled_tokens, out.total_num_kv_tokens))
     while next_arrival < total or live:
         while next_arrival < total and pending[next_arrival].arrival_time <= clock.now:
             request = build(pending[next_arrival])
@@ -172,7 +177,7 @@ def _run(sched: Scheduler, kv: KVCacheManager, pending: list[TraceRequest], cloc
         out = sched.schedule()
         ids = list(out.num_scheduled_tokens)
         if ids:
-            clock.now += cost.step_time(out.total_num_scheduled_tokens, out.total_num_kv_tokens)
+            clock.now += time_of(out)
         elif next_arrival < total:  # only failures this step; let time pass to the next arrival
             clock.now = max(clock.now, pending[next_arrival].arrival_time)
         # One token for everyone: the scheduler ignores tokens given to a request mid-prefill.
