@@ -1,0 +1,144 @@
+"""Does the roofline predict the real pipeline's step times on this CPU? And what does it say for GPUs?
+
+1. Measure this machine (1 thread): fp32 GEMM FLOP/s at SmolLM2-135M's MLP shape (256 tokens),
+   weight-streaming bandwidth (one token through the 49152 x 576 LM head), and the pipeline's fixed
+   host time per step and per sequence (``calibrate`` on a 2-layer, 64-wide model whose GEMMs cost
+   nothing). These are the ``cpu-measured`` entry of ``hardware.json``.
+2. Serve SmolLM2-135M (the real checkpoint when fetched, else random weights of its shape) through
+   the ``Pipeline`` at 1 thread: decode steps at batch 1, 4 and 16 and prefill steps of 64 and 256
+   tokens, median step time of each; predict each with the roofline built from step 1's numbers.
+   Target: within 25%.
+3. The roofline's Llama-3.1-8B decode throughput (batch 1 and 64, 1k context) on every GPU of the
+   table, for the record.
+
+Rows go to ``bench/results/results.csv`` (component ``roofline``). Usage::
+
+    python bench/roofline_check.py [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine(tmp: Path) -> dict:
+    import torch
+
+    from servelab import Pipeline
+    from servelab.models import build_tiny_model
+    from servelab.scheduling.simulator import calibrate
+
+    a, w = torch.randn(256, 576), torch.randn(576, 1536)
+    flops = 2 * 256 * 576 * 1536 / best_time(lambda: torch.mm(a, w), 30)
+    x, head = torch.randn(1, 576), torch.randn(576, 49152)
+    bw = head.numel() * 4 / best_time(lambda: torch.mm(x, head), 20)
+    path = build_tiny_model(tmp / "probe", arch="llama", seed=0, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    pipe = Pipeline.from_pretrained(path, attention_backend="sdpa", max_num_seqs=16, max_num_batched_tokens=512,
+                                    max_model_len=512)
+    cost = calibrate(pipe, batch_sizes=(1, 4, 16), prompt_lens=(8, 32), max_tokens=8)
+    return dict(peak_flops=flops, mem_bw=bw, step_overhead_s=cost.base_s, seq_overhead_s=cost.per_seq_s)
+
+
+def measure_smollm2(tmp: Path) -> tuple[list[dict], str]:
+    import random
+
+    from e2e import checkpoint
+
+    from servelab import Pipeline
+    from servelab.scheduling.simulator import measure_steps
+
+    path, what = checkpoint("smollm2", tmp)
+    pipe = Pipeline.from_pretrained(path, attention_backend="auto", max_num_seqs=16, max_num_batched_tokens=512,
+                                    max_model_len=1024)
+    rng = random.Random(0)
+
+    def prompts(n, k):
+        return [[rng.randrange(3, 30000) for _ in range(k)] for _ in range(n)]
+
+    measure_steps(pipe, prompts(2, 32), 4)  # warm-up
+    cases = []
+    for b in (1, 4, 16):
+        rows = [r for r in measure_steps(pipe, prompts(b, 64), 12) if r[3] == 0 and r[2] == b]
+        cases.append(dict(kind="decode", size=b, rows=rows))
+    for n in (64, 256):
+        rows = [r for _ in range(3) for r in measure_steps(pipe, prompts(1, n), 1) if r[3] > 0]
+        cases.append(dict(kind="prefill", size=n, rows=rows))
+    return cases, what
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from servelab.scheduling.simulator import MODEL_PRESETS, RooflineCostModel, hardware_table
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        machine = measure_machine(Path(tmp))
+        print("measured:", {k: f"{v:.4g}" for k, v in machine.items()})
+        cases, what = measure_smollm2(Path(tmp))
+    cpu = dataclasses.replace(hardware_table()["cpu-measured"], **machine)
+    model = RooflineCostModel(cpu, MODEL_PRESETS["smollm2-135m"])
+    out, worst = [], 0.0
+    for case in cases:
+        real = statistics.median(r[-1] for r in case["rows"])
+        feats = case["rows"][len(case["rows"]) // 2][:-1]
+        pred = model.step_time(*feats)
+        err = (pred - real) / real
+        worst = max(worst, abs(err))
+        print(f"{case['kind']:<8}{case['size']:>5}  real {1e3 * real:8.2f} ms  roofline {1e3 * pred:8.2f} ms  "
+              f"({100 * err:+.0f}%)  {model.breakdown(*feats)}")
+        out.append((case, real, pred, err))
+    print(f"worst |error| {100 * worst:.0f}% (target 25%)")
+    gpus = []
+    for name, hw in hardware_table().items():
+        if name == "cpu-measured":
+            continue
+        m = RooflineCostModel(hw, MODEL_PRESETS["llama-3.1-8b"])
+        gpus.append((name, m.decode_throughput(1, 1024), m.decode_throughput(64, 1024)))
+        print(f"{name:<10} Llama-3.1-8B decode: batch 1 {gpus[-1][1]:7.0f} tok/s, batch 64 {gpus[-1][2]:7.0f} tok/s")
+    if not args.no_record:
+        record(machine, out, worst, gpus, what)
+    return 0
+
+
+def record(machine, out, worst, gpus, what) -> None:
+    from results_io import append_rows, make_row
+
+    rows = [make_row("roofline", "cpu-measured", k, "FLOP/s" if k == "peak_flops" else "B/s" if k == "mem_bw" else "s",
+                     v, params={"threads": 1}) for k, v in machine.items()]
+    for case, real, pred, err in out:
+        params = {"model": what, "step": case["kind"], "size": case["size"], "threads": 1}
+        rows.append(make_row("roofline", "real", "step_time", "s", real, params=params))
+        rows.append(make_row("roofline", "cpu-measured", "step_time", "s", pred, params=params))
+        rows.append(make_row("roofline", "error", "step_time", "%", 100 * err, params=params))
+    rows.append(make_row("roofline", "error", "worst_abs_error", "%", 100 * worst, params={"threads": 1}))
+    for name, b1, b64 in gpus:
+        params = {"model": "llama-3.1-8b bf16", "context": 1024, "hardware": name}
+        rows.append(make_row("roofline", name, "decode_tok_s_batch1", "tok/s", b1, params=params, device=name))
+        rows.append(make_row("roofline", name, "decode_tok_s_batch64", "tok/s", b64, params=params, device=name))
+    print(f"rows appended to {append_rows(rows)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
