@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from servelab.samplers.params import SamplingParams
@@ -23,11 +23,12 @@ from servelab.scheduling.simulator.cost_model import StepCostModel
 from servelab.scheduling.simulator.features import step_features
 
 
-def measure_steps(pipe: Any, prompts: Sequence[Sequence[int]], max_tokens: int, *,
-                  one_per_step: bool = False) -> list[tuple[int, int, int, int, float, float]]:
+def measure_steps(pipe: Any, prompts: Sequence[Sequence[int]], max_tokens: int, *, one_per_step: bool = False,
+                  clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, int, int, int, float, float]]:
     """Serve ``prompts`` (greedy, ``max_tokens`` each, EOS ignored) through ``pipe``; return one
     ``(*step_features, seconds)`` row per step that scheduled tokens. ``one_per_step`` adds the
-    requests one before each step instead of all at once."""
+    requests one before each step instead of all at once. ``clock`` times the steps: wall time by
+    default; ``time.thread_time`` (CPU time of a 1-thread pipeline) on a machine shared with others."""
     if pipe.has_unfinished_requests():
         raise ValueError("pipe has unfinished requests; calibrate an idle pipeline")
     sched = pipe.scheduler
@@ -52,9 +53,9 @@ def measure_steps(pipe: Any, prompts: Sequence[Sequence[int]], max_tokens: int, 
             if queue:
                 pipe.add_request(list(queue.pop(0)), params, detokenize=False)
             before = len(seen)
-            start = time.perf_counter()
+            start = clock()
             pipe.step()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if len(seen) > before and seen[-1].total_num_scheduled_tokens:
                 rows.append((*step_features(seen[-1]), elapsed))
     finally:
@@ -63,7 +64,8 @@ def measure_steps(pipe: Any, prompts: Sequence[Sequence[int]], max_tokens: int, 
 
 
 def calibrate(pipe: Any, *, batch_sizes: Sequence[int] | None = None, prompt_lens: Sequence[int] = (16, 48, 160),
-              max_tokens: int = 16, repeats: int = 1, seed: int = 0, return_steps: bool = False):
+              max_tokens: int = 16, repeats: int = 1, seed: int = 0, return_steps: bool = False,
+              clock: Callable[[], float] = time.perf_counter):
     """A :class:`StepCostModel` fitted to ``pipe``'s measured steps (see the module docstring).
 
     Args:
@@ -75,6 +77,7 @@ def calibrate(pipe: Any, *, batch_sizes: Sequence[int] | None = None, prompt_len
         repeats: how many times the grid runs (after one warm-up batch that is not recorded).
         seed: the prompts' token ids.
         return_steps: also return the measured rows ``(*FEATURES, seconds)``.
+        clock: times the steps (see :func:`measure_steps`).
     """
     if batch_sizes is None:
         cap = int(pipe.scheduler.config.max_num_seqs)
@@ -93,13 +96,13 @@ def calibrate(pipe: Any, *, batch_sizes: Sequence[int] | None = None, prompt_len
         lens = [min(max(1, round(length * rng.uniform(0.75, 1.25))), limit) for _ in range(n)]
         return [[rng.randrange(3, max(vocab, 4)) for _ in range(k)] for k in lens]
 
-    measure_steps(pipe, prompts(2, prompt_lens[0]), max_tokens)  # warm-up: first-call costs stay out of the fit
+    measure_steps(pipe, prompts(2, prompt_lens[0]), max_tokens, clock=clock)  # warm-up: first-call costs stay out of the fit
     rows: list[tuple] = []
     for _ in range(repeats):
         for b in batch_sizes:
             for length in prompt_lens:
-                rows += measure_steps(pipe, prompts(b, length), max_tokens)
+                rows += measure_steps(pipe, prompts(b, length), max_tokens, clock=clock)
                 if b > 1:
-                    rows += measure_steps(pipe, prompts(b, length), max_tokens, one_per_step=True)
+                    rows += measure_steps(pipe, prompts(b, length), max_tokens, one_per_step=True, clock=clock)
     model = StepCostModel.fit(rows)
     return (model, rows) if return_steps else model
