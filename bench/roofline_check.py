@@ -1,9 +1,10 @@
 """Does the roofline predict the real pipeline's step times on this CPU? And what does it say for GPUs?
 
-1. Measure this machine (1 thread): fp32 GEMM FLOP/s at SmolLM2-135M's MLP shape (256 tokens),
-   weight-streaming bandwidth (one token through the 49152 x 576 LM head), and the pipeline's fixed
-   host time per step and per sequence (``calibrate`` on a 2-layer, 64-wide model whose GEMMs cost
-   nothing). These are the ``cpu-measured`` entry of ``hardware.json``.
+1. Measure this machine (1 thread), ``bench/gemm_limit.py``-style: SmolLM2-135M's own GEMMs alone
+   (every weight once) at 1 token give the weight-streaming bandwidth and at 256 tokens the fp32
+   FLOP rate; the pipeline's fixed host time per step and per sequence comes from ``calibrate`` on a
+   30-layer, 64-wide model (same layer count, negligible GEMMs). These are the ``cpu-measured``
+   entry of ``hardware.json``.
 2. Serve SmolLM2-135M (the real checkpoint when fetched, else random weights of its shape) through
    the ``Pipeline`` at 1 thread: decode steps at batch 1, 4 and 16 and prefill steps of 64 and 256
    tokens, median step time of each; predict each with the roofline built from step 1's numbers.
@@ -45,20 +46,46 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
-def measure_machine(tmp: Path) -> dict:
+def smollm2_weights():
+    """Random fp32 weight matrices with SmolLM2-135M's linear shapes (30 layers + the LM head)."""
     import torch
 
+    h, kv, inter = 576, 192, 1536
+    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    return [torch.randn(*shape) for _ in range(30) for shape in layer] + [torch.randn(h, 49152)]
+
+
+def gemm_only_step(weights, tokens: int) -> float:
+    """CPU seconds of one step's GEMMs alone (every weight once, ``tokens`` rows; median of 5)."""
+    import torch
+
+    xs = {w.shape[0]: torch.randn(tokens, w.shape[0]) for w in weights}
+    times = []
+    for _ in range(5):
+        t = CLOCK()
+        for w in weights:
+            torch.mm(xs[w.shape[0]], w)
+        times.append(CLOCK() - t)
+    return statistics.median(times)
+
+
+def measure_machine(tmp: Path) -> dict:
+    """The ``cpu-measured`` numbers, gemm_limit-style: the model's own GEMMs alone give the achievable
+    weight-streaming bandwidth (1 token) and FLOP rate (256 tokens); a 30-layer, 64-wide model (the
+    same number of layers, negligible GEMMs) gives the pipeline's host time per step and sequence."""
     from servelab import Pipeline
     from servelab.models import build_tiny_model
     from servelab.scheduling.simulator import calibrate
 
-    a, w = torch.randn(256, 576), torch.randn(576, 1536)
-    flops = 2 * 256 * 576 * 1536 / best_time(lambda: torch.mm(a, w), 30)
-    x, head = torch.randn(1, 576), torch.randn(576, 49152)
-    bw = head.numel() * 4 / best_time(lambda: torch.mm(x, head), 20)
+    weights = smollm2_weights()
+    num_bytes = sum(w.numel() for w in weights) * 4
+    num_params = sum(w.numel() for w in weights)
+    bw = num_bytes / gemm_only_step(weights, 1)
+    flops = 2 * num_params * 256 / gemm_only_step(weights, 256)
+    del weights
     path = build_tiny_model(tmp / "probe", arch="llama", seed=0, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    pipe = Pipeline.from_pretrained(path, attention_backend="sdpa", max_num_seqs=16, max_num_batched_tokens=512,
+                            num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2)
+    pipe = Pipeline.from_pretrained(path, attention_backend="auto", max_num_seqs=16, max_num_batched_tokens=512,
                                     max_model_len=512)
     cost = calibrate(pipe, batch_sizes=(1, 4, 16), prompt_lens=(8, 32), max_tokens=8, clock=CLOCK)
     return dict(peak_flops=flops, mem_bw=bw, step_overhead_s=cost.base_s, seq_overhead_s=cost.per_seq_s)
