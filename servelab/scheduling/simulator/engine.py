@@ -183,7 +183,7 @@ def _run(sched: Scheduler, kv: KVCacheManager, pending: list[TraceRequest], cloc
         # One token for everyone: the scheduler ignores tokens given to a request mid-prefill.
         outputs = sched.update_from_output(out, ModelRunnerOutput(ids, [one] * len(ids)))
         if sched.num_finished != ended_before:  # only then is there a final output to collect
-            finished.extend([o.metrics for o in outputs if o.finished])
+            finished.extend([o.metrics for o in outputs if o.finished and o.metrics is not None])
         kv_times.append(clock.now)
         kv_usage.append(kv.usage)
         steps += 1

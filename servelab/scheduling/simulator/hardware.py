@@ -105,15 +105,18 @@ class ModelShape:
             if config not in MODEL_PRESETS:
                 raise ValueError(f"model={config!r} is not a preset; valid: {', '.join(MODEL_PRESETS)} or a config")
             return MODEL_PRESETS[config]
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        raw: dict[str, Any] = dict(config) if isinstance(config, dict) else {
+            k: getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size",
+                                                  "vocab_size", "torch_dtype", "dtype")}
         try:
-            heads = int(get("num_attention_heads"))
-            hidden = int(get("hidden_size"))
-            raw_dtype = dtype or get("torch_dtype") or get("dtype") or "bfloat16"
-            return cls(int(get("num_hidden_layers")), hidden, heads, int(get("num_key_value_heads") or heads),
-                       int(get("head_dim") or hidden // heads), int(get("intermediate_size")),
-                       int(get("vocab_size")), str(raw_dtype).replace("torch.", ""))
-        except (TypeError, ValueError) as exc:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            raw_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+            return cls(int(raw["num_hidden_layers"]), hidden, heads, int(raw.get("num_key_value_heads") or heads),
+                       int(raw.get("head_dim") or hidden // heads), int(raw["intermediate_size"]),
+                       int(raw["vocab_size"]), str(raw_dtype).replace("torch.", ""))
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"model config {config!r:.120} lacks a shape field: {exc}") from None
 
     @property
