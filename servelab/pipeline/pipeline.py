@@ -205,6 +205,8 @@ class Pipeline(BatchRuns, OutputDelivery):
                                   num_speculative_tokens=spec.num_speculative_tokens,
                                   max_num_reqs=self.scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id,
                                   structured=self.structured)
+        if self.kv_cache_groups is None:  # one sliding-window spec: its released blocks are nulled in the table
+            self.runner.sliding_window = getattr(getattr(self.kv_cache_manager, "spec", None), "sliding_window", None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: PipelineConfig | None = None, dtype: Any = None,

@@ -7,9 +7,11 @@ State that persists across steps (the "persistent batch", as in vLLM v1's
   no drafts), sampling params, prompt length, and its row in
 - one block table ``[max_reqs, max_blocks_per_req]`` int32, whose rows are
   appended to as the scheduler hands out blocks (new blocks only), replaced
-  when a preempted request resumes, and recycled when a request ends. (A
-  sliding window's released blocks stay in the row: ``SchedulerOutput`` does
-  not report releases, and the window mask never reads those positions.)
+  when a preempted request resumes, and recycled when a request ends. A
+  sliding window's released blocks (``SchedulerOutput`` does not report
+  releases) become the null block 0 in the row before each step
+  (:func:`null_released_blocks`, the manager's rule), so a block another
+  request owns by now is never named by this one's table.
 
 Each step then builds, vectorised over the batch (numpy on the host):
 
@@ -84,6 +86,20 @@ class CachedRequestState:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
+def null_released_blocks(table: np.ndarray, rows: np.ndarray, first: np.ndarray, window: int,
+                         block_size: int) -> None:
+    """Null block (0) in ``table`` int32 ``[max_reqs, width]`` at rows ``rows`` ``[B]``
+    for every block wholly before the window of each request's first position
+    this step, ``first`` ``[B]`` (its computed tokens): the blocks a sliding
+    window's manager released when it scheduled the step, which another
+    request may own and fill (NaN, inf) by now."""
+    dead = (first - window + 1) // block_size  # [B] leading dead blocks per request
+    width = int(dead.max()) if len(dead) else 0
+    if width > 0:
+        head = table[rows, :width]
+        table[rows, :width] = np.where(np.arange(width) < dead[:, None], 0, head)
+
+
 class ModelRunner(SamplingSteps):
     """Runs the model for the scheduler.
 
@@ -131,6 +147,8 @@ class ModelRunner(SamplingSteps):
         self._bt = self.block_table.numpy()  # shares memory: numpy writes, torch reads
         self._free_rows = list(range(self.block_table.shape[0] - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+        self.sliding_window: int | None = None
+        """The window of a single sliding-window KV spec (the pipeline sets it): released blocks are nulled."""
         self.last_verification: list[tuple[int, int]] = []
         """(drafts verified, drafts accepted) per request verified in the last step."""
 
@@ -279,6 +297,8 @@ class ModelRunner(SamplingSteps):
         ``query_start_loc`` ``[B + 1]`` (int64 numpy arrays). The block table
         is a contiguous int32 copy of the batch's rows, ``max(seq_lens)`` blocks wide."""
         bs = self.block_size
+        if self.sliding_window is not None:
+            null_released_blocks(self._bt, rows, seq_lens - np.diff(qsl), self.sliding_window, bs)
         blocks, offsets = np.divmod(positions, bs)
         slots = self._bt[rows[seq], blocks].astype(np.int64) * bs + offsets
         width = int(-(-seq_lens.max() // bs))
