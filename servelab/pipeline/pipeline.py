@@ -51,7 +51,7 @@ import torch
 from servelab.config import PipelineConfig
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
 from servelab.pipeline.batch import BatchRuns
-from servelab.pipeline.delivery import OutputDelivery, Tracked
+from servelab.pipeline.delivery import OutputDelivery, Tracked, warn_unenforced
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.inputs import RenderedPrompt, prompt_token_ids, request_params
 from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
@@ -300,7 +300,10 @@ class Pipeline(BatchRuns, OutputDelivery):
         """Compile the request's grammar (if any), then queue it; neither is kept if either fails."""
         grammar = getattr(request.sampling_params, "structured_outputs", None)
         if grammar is not None:
-            self.structured.add_request(request.request_id, grammar)
+            unenforced = self.structured.add_request(request.request_id, grammar)
+            if grammar.kind == "json":
+                self._tracked[request.request_id].output.structured_unenforced = list(unenforced)
+                warn_unenforced(request.request_id, unenforced)
         try:
             self.scheduler.add_request(request)
         except BaseException:

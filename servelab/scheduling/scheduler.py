@@ -466,7 +466,9 @@ class Scheduler(RequestTransitions):
                 break
             if req is None:
                 break
-            if enable_caching:
+            # A request whose prompt logprobs are incomplete computes its whole prompt (no prefix hit).
+            if enable_caching and (req.sampling_params.prompt_logprobs is None
+                                   or req.num_tokens > req.num_prompt_tokens):
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
             else:
                 hit_blocks, num_hit = None, 0
