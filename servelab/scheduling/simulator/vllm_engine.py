@@ -106,7 +106,7 @@ def simulate_vllm(
                             watermark=watermark, policy=native, reserve_full_prompt=True)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     tracks = {r.request_id: _Track(r) for r in ordered}
-    pending = [make_request(r.request_id, r.prompt_token_ids, r.max_tokens, arrival_time=r.arrival_time,
+    pending = [make_request(r.request_id, list(r.prompt_token_ids), r.max_tokens, arrival_time=r.arrival_time,
                             priority=r.priority, client_id=r.client_id, block_size=block_size) for r in ordered]
     by_id = {r.request_id: r for r in pending}
     now = ordered[0].arrival_time if ordered else 0.0
