@@ -31,6 +31,9 @@ Logits are computed only where a token is sampled: the last scheduled
 position of each request whose computation reaches its last known token (a
 chunked prefill still short of the end samples nothing), or, when drafts are
 being verified, the position before each draft and the bonus position.
+Requests that ask for prompt logprobs also get logits for their scheduled
+prompt positions (:mod:`servelab.pipeline.prompt_logprobs`; nothing is
+computed for the others).
 
 Sampling (:mod:`servelab.pipeline.sampling_steps`): requests without drafts
 go through ``Sampler.forward`` with a ``SamplingMetadata`` built for this
@@ -60,10 +63,12 @@ import numpy as np
 import torch
 
 from servelab.models import AttentionMetadata
+from servelab.pipeline.prompt_logprobs import PromptLogprobsCollector
 from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
 from servelab.pipeline.tree_steps import TreeSteps
-from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
+from servelab.samplers import Sampler, SamplerProtocol, SamplingMetadata, SamplingParams
 from servelab.samplers.draft_tree import DraftTree
+from servelab.samplers.interfaces import Drafter, Verifier
 from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
 from servelab.samplers.verifiers import get_verifier
 from servelab.scheduling import ModelRunnerOutput, SchedulerOutput
@@ -130,15 +135,16 @@ class ModelRunner(SamplingSteps, TreeSteps):
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, max_model_len: int,
-                 sampler: Sampler | None = None, drafter: Any = None, verifier: Any = "rejection",
+                 sampler: SamplerProtocol | None = None, drafter: Drafter | None = None,
+                 verifier: Verifier | str = "rejection",
                  num_speculative_tokens: int = 0, max_num_reqs: int = 64, eos_token_id: int | None = None,
                  structured: StructuredOutputManager | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.sampler = sampler if sampler is not None else Sampler()
-        self.drafter = drafter
+        self.sampler: SamplerProtocol = sampler if sampler is not None else Sampler()
+        self.drafter: Drafter | None = drafter
         self.verifier = get_verifier(verifier)
         self.structured: StructuredOutputManager | None = structured
         self._grammar_advanced: dict[str, int] = {}  # tokens each matcher accepted in the last execute
@@ -155,6 +161,8 @@ class ModelRunner(SamplingSteps, TreeSteps):
         """The window of a single sliding-window KV spec (the pipeline sets it): released blocks are nulled."""
         self.last_verification: list[tuple[int, int]] = []
         """(drafts verified, drafts accepted) per request verified in the last step."""
+        self.prompt_logprobs = PromptLogprobsCollector()
+        """Prompt logprobs of requests that ask (:mod:`servelab.pipeline.prompt_logprobs`)."""
 
     # ---- persistent state -------------------------------------------------
 
@@ -193,6 +201,7 @@ class ModelRunner(SamplingSteps, TreeSteps):
         as a request ends, so nothing lingers until the next step."""
         self._detach(req_id)
         self.requests.pop(req_id, None)
+        self.prompt_logprobs.discard(req_id)
 
     def rollback(self, so: SchedulerOutput) -> None:
         """Undo what a failed or interrupted :meth:`execute` of ``so`` did: every
@@ -222,6 +231,7 @@ class ModelRunner(SamplingSteps, TreeSteps):
             state.row = self._take_row()
             self._set_blocks(state, new.block_ids, append=False)
             self.requests[new.req_id] = state
+            self.prompt_logprobs.add(new.req_id, getattr(params, "prompt_logprobs", None), new.prompt_token_ids)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -384,6 +394,8 @@ class ModelRunner(SamplingSteps, TreeSteps):
         batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
         input_ids, positions, meta, ends = self._prepare(so, batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.prompt_logprobs.pending:  # requests asking for prompt logprobs: their prompt positions' logits
+            self.prompt_logprobs.collect(self.model, batch, hidden, ends)
 
         plain, verify = self._rows_to_sample(batch, spec)
         sampled: list[list[int]] = [[] for _ in batch]
