@@ -64,7 +64,7 @@ import torch
 
 from servelab.models import AttentionMetadata
 from servelab.pipeline.prompt_logprobs import PromptLogprobsCollector
-from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
+from servelab.pipeline.sampling_steps import release_quietly
 from servelab.pipeline.tree_steps import TreeSteps
 from servelab.samplers import Sampler, SamplerProtocol, SamplingMetadata, SamplingParams
 from servelab.samplers.draft_tree import DraftTree
@@ -109,7 +109,7 @@ def null_released_blocks(table: np.ndarray, rows: np.ndarray, first: np.ndarray,
         table[rows, :width] = np.where(np.arange(width) < dead[:, None], 0, head)
 
 
-class ModelRunner(SamplingSteps, TreeSteps):
+class ModelRunner(TreeSteps):
     """Runs the model for the scheduler.
 
     Args:

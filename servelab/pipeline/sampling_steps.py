@@ -93,6 +93,22 @@ class SamplingSteps:
     last_verification: list[tuple[int, int]]
     _metadata: Callable[..., SamplingMetadata]
 
+    # ---- token trees: chains only here; TreeSteps (pipeline/tree_steps.py) overrides these ----
+
+    @staticmethod
+    def _scheduled_tree(state: Any, num_drafts: int) -> Any:
+        """The tree of a request's scheduled drafts, or None when they form a chain."""
+        return None
+
+    def _verify_trees(self, batch, verify: list[tuple[int, int]], entries: list[int], logits: torch.Tensor,
+                      starts: list[int], total: int, sampled: list[list[int]], logprobs: list[Any],
+                      errors: dict[str, str]) -> None:
+        raise NotImplementedError("this runner verifies chains only")
+
+    def _as_proposed(self, proposal: Any, k: int) -> tuple[list[int], Any, torch.Tensor | None]:
+        """(drafts for the scheduler, the tree to remember or None for a chain, probs) of a proposal."""
+        return list(proposal.token_ids[:k]), None, proposal.probs
+
     # ---- plain sampling ---------------------------------------------------------
 
     def _sample_plain(self, batch, plain: list[int], logits: torch.Tensor, sampled: list[list[int]],

@@ -39,7 +39,7 @@ import torch
 
 from servelab._internal.sampling_noise import seeded_generator
 from servelab._internal.tree_mask import TreeMask
-from servelab.pipeline.sampling_steps import RowError, _subset, call_isolated
+from servelab.pipeline.sampling_steps import RowError, SamplingSteps, _subset, call_isolated
 from servelab.samplers.draft_tree import DraftTree
 
 __all__ = ["TreeSteps", "first_branch"]
@@ -47,7 +47,8 @@ __all__ = ["TreeSteps", "first_branch"]
 
 def first_branch(tree: DraftTree) -> DraftTree:
     """The chain root -> node 0 -> its first child -> ... of ``tree``."""
-    tokens, node = [], -1
+    tokens: list[int] = []
+    node = -1
     while True:
         children = [child for child, parent in enumerate(tree.parents) if parent == node]
         if not children:
@@ -56,9 +57,15 @@ def first_branch(tree: DraftTree) -> DraftTree:
         tokens.append(tree.token_ids[node])
 
 
-class TreeSteps:
-    """Tree handling for :class:`~servelab.pipeline.runner.ModelRunner` (a mixin; uses the
-    runner's ``verifier``, ``sampler``, ``kv_caches``, ``block_size``, ``_bt``, ``_metadata``)."""
+class TreeSteps(SamplingSteps):
+    """Tree handling for :class:`~servelab.pipeline.runner.ModelRunner` (a mixin over
+    :class:`SamplingSteps`; uses the runner's ``model``, ``kv_caches``, ``block_size``, ``_bt``)."""
+
+    # Set by ModelRunner.__init__.
+    model: Any
+    kv_caches: Any
+    block_size: int
+    _bt: np.ndarray
 
     supports_draft_trees = True
     """False for runners whose attention metadata cannot carry a tree mask."""
@@ -90,7 +97,7 @@ class TreeSteps:
         return ids, tree, probs
 
     @staticmethod
-    def _scheduled_tree(state: Any, num_drafts: int) -> DraftTree | None:
+    def _scheduled_tree(state: Any, num_drafts: int) -> Any:
         """The tree of a request's scheduled drafts, or None when they form a chain."""
         tree = state.draft_tree
         if tree is None or num_drafts <= 0:
@@ -181,7 +188,7 @@ class TreeSteps:
         tokens, parents, tree_target = self._tree_target(trees, target)
         generators = [seeded_generator(s.params.seed, len(s.token_ids) - s.num_prompt_tokens, device)
                       if s.params.seed is not None and not s.params.is_greedy else None for s in states]
-        out = self.verifier.verify_trees(
+        out = getattr(self.verifier, "verify_trees")(  # (checked by _trees_enabled when the tree was proposed)
             tokens, parents, tree_target, self._tree_draft_probs(states, trees, device),
             greedy=torch.tensor([s.params.is_greedy for s in states], device=device), generators=generators)
         token_rows, node_rows = out[0].tolist(), out[1].tolist()
@@ -208,7 +215,8 @@ class TreeSteps:
         row = self._bt[state.row]
         src_blocks, dst_blocks = (torch.from_numpy(row[p // size].astype(np.int64)) for p in (src, dst))
         src_offsets, dst_offsets = torch.from_numpy(src % size), torch.from_numpy(dst % size)
-        for key_cache, value_cache in getattr(self.kv_caches, "views", self.kv_caches):
+        caches: Any = getattr(self.kv_caches, "views", self.kv_caches)
+        for key_cache, value_cache in caches:
             device = key_cache.device
             sb, so, db, do = (t.to(device) for t in (src_blocks, src_offsets, dst_blocks, dst_offsets))
             key_cache[db, do] = key_cache[sb, so]  # the gather copies first: overlapping moves are safe
@@ -221,7 +229,11 @@ class TreeSteps:
         ``d + 1`` rows from ``starts[e]``: the root, then node ``n`` at ``n + 1``)."""
 
         def call(items: list[int]) -> list[Any]:
-            rows, row_states, row_outputs, states, trees = [], [], [], [], []
+            rows: list[int] = []
+            row_states: list[Any] = []
+            row_outputs: list[list[int]] = []
+            states: list[Any] = []
+            trees: list[DraftTree] = []
             for e in items:
                 i, d = verify[e]
                 state = batch[i][0]
@@ -256,6 +268,6 @@ class TreeSteps:
                     raw = torch.log_softmax(logits.float(), dim=-1)
                 slot_rows = raw[[starts[e] + slot for slot in [0] + [node + 1 for node in nodes]]]
                 picked = slot_rows.gather(1, torch.tensor(toks, device=slot_rows.device)[:, None])[:, 0].tolist()
-                top = slot_rows.topk(n, dim=-1) if n else None
-                logprobs[i] = [[(t, lp)] + (list(zip(top.indices[j].tolist(), top.values[j].tolist())) if n else [])
+                values, indices = slot_rows.topk(n, dim=-1) if n else (slot_rows[:, :0], slot_rows[:, :0].long())
+                logprobs[i] = [[(t, lp)] + list(zip(indices[j].tolist(), values[j].tolist()))
                                for j, (t, lp) in enumerate(zip(toks, picked))]

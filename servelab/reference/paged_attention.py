@@ -90,7 +90,8 @@ def paged_attention(
             continue
         k, v = _gather_sequence(key_cache, value_cache, block_table[i], seq_len, group, compute_dtype)
         q = query[q_begin:q_end].to(compute_dtype)
-        tree = None if tree_lens is None else (tree_mask.ancestors[q_begin:q_end], seq_len - tree_lens[i])
+        tree = None if tree_mask is None or tree_lens is None else (tree_mask.ancestors[q_begin:q_end],
+                                                                     seq_len - tree_lens[i])
         result[q_begin:q_end], lse[q_begin:q_end] = _attend_sequence(
             q, k, v, seq_len - (q_end - q_begin), scale, causal, sliding_window, softcap, tree)
 

@@ -69,6 +69,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.kv_caches = None
         self.block_size, self.num_blocks = block_size, num_blocks
         self._free, self._states, self._tmp = [], {}, 0
+        self._target: Any = None
         if model is not None:
             self.bind_target(model)
 

@@ -179,7 +179,8 @@ class TypicalAcceptanceVerifier:
     def _typical_path(ids: list[int], parents: list[int], target: torch.Tensor,
                       bar: torch.Tensor) -> tuple[list[int], int]:
         """(accepted nodes, slot where the walk stopped) of one tree."""
-        path, node = [], -1
+        path: list[int] = []
+        node = -1
         while True:
             slot = node + 1
             passing = [child for child, parent in enumerate(parents)
