@@ -25,6 +25,13 @@ Peers on the batch workloads: ``transformers`` (left-padded batched
 KV cache sized to the workload, as servelab's, since the default sizes it
 from free accelerator memory).
 
+OpenMP: on a machine with more runnable threads than cores, run with
+``OMP_WAIT_POLICY=PASSIVE`` in the environment (it applies to both engines,
+which share the process): with the default policy an idle OpenMP worker
+spins and takes a core from the thread doing the serial work, which made
+2-thread runs 10-15x slower than 1-thread runs for every engine on a 2-core
+machine shared with other jobs. The policy is in each row's ``params``.
+
 Threads: ``--threads 1,2`` runs every engine at each count
 (``torch.set_num_threads``, which the C decode kernel follows too) inside each
 repeat, so all counts and engines share the same stretch of a shared
@@ -53,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import resource
 import statistics
@@ -496,6 +504,7 @@ def main() -> int:
 
         rows = []
         for component, impl, metric, unit, value, params, values in record:
+            params = dict(params, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
             extra = {}
             if values and len(values) > 1:
                 q = statistics.quantiles(values, n=10, method="inclusive")

@@ -22,12 +22,15 @@ step on SmolLM2).
 Threads: ``--threads 1,2`` (default 1) times every batch at each count
 (``torch.set_num_threads``, which the C decode kernel follows too), the
 counts alternating within each round so that they share the same stretch of
-a shared machine's time; each row's ``params`` holds its count.
+a shared machine's time; each row's ``params`` holds its count and the
+OpenMP wait policy (``OMP_WAIT_POLICY=PASSIVE`` on a machine shared with
+other jobs: see ``bench/e2e.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -137,7 +140,8 @@ def main() -> int:
             print(f"| {batch} | {t} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
                   f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} |", flush=True)
             params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend, threads=t,
-                          steps=args.steps * args.rounds)
+                          steps=args.steps * args.rounds,
+                          omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
             rows += [
                 ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
                 ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),

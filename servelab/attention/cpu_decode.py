@@ -8,8 +8,12 @@ fraction of the machine's copy bandwidth (SmolLM2-135M, 16 sequences of ~160
 tokens, data cold as it is in a real step: ~250 us per product and layer for
 ~2 MB). ``csrc/decode_attention.c`` loads every K and V element once, in
 address order, into vector registers and reuses it for the ``G`` query heads
-of its group: ~150 us for the scores, ~130 us for the values (one thread;
-softmax stays in torch).
+of its group: ~150 us for the scores, ~130 us for the values (one thread).
+:func:`attend` runs scores, softmax and values of each head back to back in
+one parallel region (one team wake-up per layer instead of three, and the
+head's scores still in cache for its values); its softmax is the kernel's
+own (a polynomial ``exp``, within 2 ulp of ``expf``), so it differs from
+``torch.softmax`` in the last bits, like any other summation order.
 
 Threads. Both products split the heads (sequences x KV heads) into
 contiguous ranges of equal work, one per thread, with OpenMP when the
@@ -146,9 +150,15 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
 
     Returns: float32 ``[H, G, D]``.
     """
+    heads, head_size = tiles.shape[0], tiles.shape[2]
     group = q.shape[1] // kv_per_row
-    scores = _scores(q, q.stride(0), group, tiles, lens, kv_per_row, width, scale)
-    return _pv(torch.softmax(scores, dim=-1), values, lens, kv_per_row)
+    scores = torch.empty(heads, group, width, dtype=torch.float32)  # workspace
+    out = torch.empty(heads, group, head_size, dtype=torch.float32)
+    _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
+                                         lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
+                                         group, head_size, tiles.shape[1] * LANES, width, scale,
+                                         torch.get_num_threads())
+    return out
 
 
 def append_newest(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,

@@ -3,8 +3,9 @@
 Random shapes (rows, KV heads per row, GQA group 1-8, head sizes that take
 the wide and the narrow value loop, lengths from 1 to ``cap``, result widths
 past the longest length) at one and at several threads; the scores and the
-value product each within float32 rounding of the float64 products, and the
-same bits for every thread count; the tiled K layout against plain indexing;
+value product each within float32 rounding of the float64 products, the
+fused path (scores, the kernel's softmax, values) within float32 rounding of
+float64 attention, all with the same bits for every thread count; the tiled K layout against plain indexing;
 argument checks. The build: a machine with a C compiler must build the kernel
 (a failed build FAILS here, it is not skipped); the cache is keyed by the
 compiler's resolved target, so a library built for other target flags is
@@ -107,10 +108,19 @@ def check_against_float64(rows, kv_per_row, group, head_size, tiles, extra, seed
         n = int(lens[h // kv_per])
         torch.testing.assert_close(out[h].double(), p[h, :, :n].double() @ values[h, :n].double(),
                                    rtol=1e-5, atol=1e-5)
+    # The fused path (scores, the kernel's own softmax, values in one call) against float64.
+    q_rows = q.view(rows, -1, head_size)
+    fused = cpu_decode.attend(q_rows, cpu_decode.tile_keys(keys), values, lens, kv_per, width, scale)
+    p64 = torch.softmax(expected, dim=-1)
+    for h in range(q.shape[0]):
+        n = int(lens[h // kv_per])
+        torch.testing.assert_close(fused[h].double(), p64[h, :, :n] @ values[h, :n].double(), rtol=1e-5, atol=1e-5)
     if torch.get_num_threads() > 1:
         with torch_threads(1):
             assert torch.equal(cpu_decode.decode_scores(q, cpu_decode.tile_keys(keys), lens, width, scale), scores)
             assert torch.equal(cpu_decode.decode_pv(p_poisoned, values, lens), out)
+            assert torch.equal(cpu_decode.attend(q_rows, cpu_decode.tile_keys(keys), values, lens, kv_per, width,
+                                                 scale), fused)
 
 
 class torch_threads:

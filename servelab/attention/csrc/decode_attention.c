@@ -118,7 +118,7 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 4; }
+int servelab_abi_version(void) { return 5; }
 
 /* The cache key this library was built under (compiler, flags, resolved target
  * features, source): the loader refuses a file whose key is not its own. */
@@ -207,6 +207,75 @@ void servelab_decode_pv(const float* p, const float* v, const int64_t* lens, flo
         for (int64_t h = lo; h < hi; ++h)
             f(p + h * group * width, v + h * cap * head_size, lens[h / kv_per_row],
               out + h * group * head_size, head_size, width);
+    }
+}
+
+/* exp(x) for x <= 0 (softmax arguments, max already subtracted): Cephes' single-precision
+ * polynomial on x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf
+ * on [-87, 0], and below -87 (a weight under 1e-38 next to the maximum's 1) it returns
+ * exp(-87). No libm call, so the loops below vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+/* In place over s[0, len): s = exp(s - max) / sum. Max and sum in 16 lanes (positions
+ * l % 16), lanes combined in increasing order: deterministic. */
+static void softmax_row(float* s, int64_t len) {
+    float lane_max[LANES], lane_sum[LANES];
+    for (int j = 0; j < LANES; ++j) lane_max[j] = -INFINITY, lane_sum[j] = 0.0f;
+    int64_t l = 0;
+    for (; l + LANES <= len; l += LANES)
+        for (int j = 0; j < LANES; ++j) lane_max[j] = s[l + j] > lane_max[j] ? s[l + j] : lane_max[j];
+    for (int j = 0; l + j < len; ++j) lane_max[j] = s[l + j] > lane_max[j] ? s[l + j] : lane_max[j];
+    float m = lane_max[0];
+    for (int j = 1; j < LANES; ++j) m = lane_max[j] > m ? lane_max[j] : m;
+    for (l = 0; l < len; ++l) s[l] = exp_nonpositive(s[l] - m);
+    for (l = 0; l + LANES <= len; l += LANES)
+        for (int j = 0; j < LANES; ++j) lane_sum[j] += s[l + j];
+    for (int j = 0; l + j < len; ++j) lane_sum[j] += s[l + j];
+    float total = 0.0f;
+    for (int j = 0; j < LANES; ++j) total += lane_sum[j];
+    const float inv = 1.0f / total;
+    for (l = 0; l < len; ++l) s[l] *= inv;
+}
+
+/* The whole decode attention of every head in one parallel region (one team wake-up
+ * per layer, not one per product): per head, its scores into scores[h] (workspace
+ * [H, G, width]), a softmax per query head, then the values into out[h] [G, D], while
+ * the head's scores are still in the cache. */
+void servelab_decode_attention(const float* q, int64_t q_row_stride, const float* kt, const float* v,
+                               const int64_t* lens, float* scores, float* out, int64_t heads, int64_t kv_per_row,
+                               int64_t group, int64_t head_size, int64_t cap, int64_t width, float scale,
+                               int64_t num_threads) {
+    const scores_fn sf = SCORES[group - 1];
+    const int wide = group <= 4 ? 4 : 2;
+    const pv_fn pf = head_size % (wide * LANES) == 0 ? PV_WIDE[group - 1] : PV_NARROW[group - 1];
+    const int team = team_size(lens, heads, kv_per_row, 2 * group * head_size, num_threads);
+    PARALLEL_TEAM
+    {
+        int64_t lo, hi;
+        head_range(lens, heads, kv_per_row, THREAD_ID, TEAM_SIZE, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h) {
+            const int64_t len = lens[h / kv_per_row];
+            float* s = scores + h * group * width;
+            sf(q + (h / kv_per_row) * q_row_stride + (h % kv_per_row) * group * head_size,
+               kt + h * head_size * cap, len, s, head_size, width, scale);
+            for (int64_t g = 0; g < group; ++g) softmax_row(s + g * width, len);
+            pf(s, v + h * cap * head_size, len, out + h * group * head_size, head_size, width);
+        }
     }
 }
 
