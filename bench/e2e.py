@@ -294,8 +294,9 @@ def main() -> int:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--no-record", action="store_true",
-                        help="print only: no rows in results.csv, no report file unless --out is given")
-    parser.add_argument("--out", default=None, help="markdown file (default bench/results/<date>-e2e-cpu.md)")
+                        help="print only: no rows in results.csv")
+    parser.add_argument("--out", default=None, help="also write the printed report to this markdown file (the "
+                        "record is the rows of results.csv: python bench/plot.py --markdown --component e2e)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
@@ -321,11 +322,8 @@ def main() -> int:
                                    None))
     text = report(results, rss, threads)
     print("\n" + text)
-    import datetime
-
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{datetime.date.today()}-e2e-cpu.md"
-    if args.out or not args.no_record:  # an exploratory --no-record run leaves the saved report alone
-        out.write_text(text + "\n")
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     if not args.no_record:
         from results_io import append_rows, make_row
 
@@ -338,7 +336,7 @@ def main() -> int:
                 extra = dict(p20=q[1], p50=statistics.median(values), p80=q[7])
             rows.append(make_row(component, impl, metric, unit, value, params=params, **extra))
         append_rows(rows)
-        print(f"{len(rows)} rows appended to results.csv; report in {out}")
+        print(f"{len(rows)} rows appended to results.csv")
     return 0
 
 

@@ -52,19 +52,7 @@ from servelab.blocks.interfaces import EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import manager_class_for
 from servelab.blocks.specs import KVCacheSpec
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last reset, counted in tokens, once per admission."""
-
-    requests: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+from servelab.blocks.stats import PrefixCacheStats
 
 
 def _request_id(request: object) -> str:

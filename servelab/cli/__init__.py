@@ -16,11 +16,13 @@ import warnings
 from pathlib import Path
 
 from servelab.cli import build_kernels
+from servelab.config import SchedulerConfig
 
 EPILOG = """\
 examples:
   servelab demo                          the pipeline on the embedded tiny Llama
   servelab demo --model smollm2          the same on a real trained model (SmolLM2-135M-Instruct)
+  servelab demo --model gemma3-270m      ... on Gemma 3 270M (5:1 local/global layers, hybrid KV groups)
   servelab demo --model PATH             any local HF Llama / Qwen2 / Mistral folder or .gguf file
   servelab simulate --policy fcfs,sjf    scheduling policies on a simulated trace
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="serve a workload through the full pipeline and report metrics")
-    demo.add_argument("--model", help="'smollm2' (a real 135M chat model, fetched once), a local HF checkpoint "
+    demo.add_argument("--model", help="'smollm2' (a real 135M chat model) or 'gemma3-270m' (Gemma 3 270M), "
+                                      "fetched once; a local HF checkpoint "
                                       "folder or .gguf file (default: the embedded tiny Llama, random weights)")
     demo.add_argument("--num-requests", type=_positive_int, default=48)
     demo.add_argument("--max-tokens", type=_positive_int, default=32)
@@ -306,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--num-blocks", type=_positive_int, default=4096)
     sim.add_argument("--block-size", type=_positive_int, default=16)
     sim.add_argument("--no-prefix-caching", action="store_true")
-    sim.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    sim.add_argument("--max-model-len", type=_positive_int, default=8192)
+    # SchedulerConfig's defaults: servelab's one set of scheduling defaults
+    sim.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs)
+    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=SchedulerConfig.max_num_batched_tokens)
+    sim.add_argument("--max-model-len", type=_positive_int, default=SchedulerConfig.max_model_len)
     sim.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=0)
     sim.add_argument("--cost-model", default="0.009,7e-5,3.5e-7",
                      help="seconds per step: BASE,PER_TOKEN,PER_KV_TOKEN")

@@ -18,6 +18,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+import servelab.attention.buckets as buckets
 import servelab.attention.decode_kv as decode_kv
 from servelab.attention import cpu_decode, cpu_kernel_build
 import servelab.attention.sdpa as sdpa
@@ -101,11 +102,12 @@ def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_kv, "HEADROOM", headroom)  # small: buffers outgrown, regathered
         patch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", overhead)  # small: many length buckets
+        patch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", overhead)  # (what decode_kv reads)
         run_loop(lens, heads, head_size, block_size, steps, seed)
 
 
 def test_rows_are_sorted_into_length_buckets(monkeypatch):
-    monkeypatch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", 0)
+    monkeypatch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", 0)
     loop = Loop([30, 3, 17, 3, 25], 4, 2, 8, 4, seed=6)
     rows = list(range(5))
     _, plan = attend(loop, rows)

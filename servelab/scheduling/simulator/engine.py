@@ -67,8 +67,8 @@ def simulate(
     Args:
         workload: a spec (generated here, seeded) or a list of requests.
         policy: a policy object or a registered name.
-        scheduler_config: limits; default ``SchedulerConfig(max_num_batched_tokens=2048,
-            max_num_seqs=256, max_model_len=8192)``.
+        scheduler_config: limits; default ``SchedulerConfig()`` (servelab's one set of
+            scheduling defaults).
         num_blocks, block_size, enable_prefix_caching, watermark: the KV
             cache (one full-attention group).
         cost_model: seconds per step; default :class:`StepCostModel`.
@@ -98,7 +98,7 @@ def simulate(
                              tpot_slo_s=tpot_slo_s, max_steps=max_steps)
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
     validate_trace(requests)
-    config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    config = scheduler_config or SchedulerConfig()
     cost = cost_model or StepCostModel()
     policy_obj = get_policy(policy)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")

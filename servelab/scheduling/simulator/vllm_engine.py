@@ -96,7 +96,7 @@ def simulate_vllm(
 
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
     validate_trace(requests)
-    config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    config = scheduler_config or SchedulerConfig()
     cost = cost_model or StepCostModel()
     cls, native = _scheduler_cls(policy)
     sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
