@@ -59,6 +59,7 @@ import torch
 
 from servelab._internal.registry import Registry
 from servelab._internal.tree_mask import TreeMask
+from servelab.attention import cpu_decode
 
 __all__ = [
     "AttentionBackend",
@@ -306,6 +307,14 @@ class SdpaAttentionBackend(AttentionBackend):
         from servelab.attention.sdpa import paged_attention
 
         return paged_attention(*args, **kwargs)
+
+    def prepare(self, query: torch.Tensor, key_cache: torch.Tensor) -> None:
+        """Called once when a pipeline is built (``query`` ``[1, Hq, D]``, ``key_cache`` the
+        pool's): builds and loads the C decode kernel now when the decode path may use it, so
+        that the first decode step is not a compile (:mod:`servelab.attention.cpu_decode`)."""
+        group = query.shape[1] // max(key_cache.shape[-2], 1)
+        if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cpu_decode.supports(torch.float32, query.shape[-1], group, query.device)  # float32 compute
 
 
 def _triton_installed() -> bool:

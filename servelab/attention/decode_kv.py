@@ -212,7 +212,7 @@ class DecodeKV:
         the caches allow it, else a gather and a scatter per buffer."""
         dense_k, dense_v, kernel = buffers
         if kernel and self._direct_append(flat_k, flat_v, compute):
-            return cpu_decode._append(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
+            return cpu_decode.append_newest(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
         num_kv_heads, head_size = flat_k.shape[1:]
         for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
                                                (dense_k, dense_v), (flat_k, flat_v)):
@@ -238,11 +238,10 @@ class DecodeKV:
         n, num_heads, head_size = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_size:
             q = q.contiguous()
-        heads, group = n * num_kv_heads, num_heads // num_kv_heads
-        scores = cpu_decode._scores(q, q.stride(0), group, tiles.view(heads, -1, head_size, cpu_decode.LANES),
-                                    self.row_lens, num_kv_heads, self.max_len, scale)
-        return cpu_decode._pv(torch.softmax(scores, dim=-1), values.view(heads, self.cap, head_size),
-                              self.row_lens, num_kv_heads)
+        heads = n * num_kv_heads
+        return cpu_decode.attend(q, tiles.view(heads, -1, head_size, cpu_decode.LANES),
+                                 values.view(heads, self.cap, head_size), self.row_lens, num_kv_heads,
+                                 self.max_len, scale)
 
     def _attend_torch(self, q: torch.Tensor, buffers: tuple, scale: float) -> torch.Tensor:
         """``[n * Hk, G, D]`` queries -> ``[n * Hk, G, D]``, bucket by bucket with torch ops."""

@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from servelab.cli import build_kernels
 from servelab.config import SchedulerConfig
 
 EPILOG = """\
@@ -26,6 +27,7 @@ examples:
   servelab simulate --policy fcfs,sjf    scheduling policies on a simulated trace
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
   servelab blocks                        the KV block layer alone under load
+  servelab build-kernels                 compile and cache the C decode kernel ahead of time
 """
 
 USAGE_ERROR = 2
@@ -330,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--tpot-slo", type=_positive_float, default=0.1, help="seconds, for goodput")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
+    build_kernels.add_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate}
+    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run}
     if args.command not in commands:
         parser.print_help()
         return 0

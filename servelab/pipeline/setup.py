@@ -65,6 +65,9 @@ def check_attention(model: Any, key_cache: torch.Tensor) -> None:
     if reason is not None:
         name = getattr(ops, "name", type(ops).__name__)
         raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
+    prepare = getattr(ops, "prepare", None)  # optional: build kernels now, not in the first step
+    if prepare is not None:
+        prepare(query, key_cache)
 
 
 def resolve_max_model_len(config: PipelineConfig, model: Any, manager: KVCacheManagerProtocol | None = None) -> int:

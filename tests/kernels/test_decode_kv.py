@@ -10,6 +10,7 @@ the previous step's buffers when the rows are the same.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from hypothesis.errors import InvalidArgument
 
 import servelab.attention.buckets as buckets
 import servelab.attention.decode_kv as decode_kv
+from servelab.attention import cpu_decode, cpu_kernel_build
 import servelab.attention.sdpa as sdpa
 from servelab.attention.sdpa import paged_attention, plan_attention
 from servelab.reference import paged_attention as reference_attention
@@ -127,9 +129,9 @@ def test_rows_are_sorted_into_length_buckets(monkeypatch):
 def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_size, steps, headroom, seed):
     """float32 caches: the C kernel (when buildable) and the torch formulation, each within
     float32 rounding of the float64 reference and carried == fresh bit for bit."""
-    from servelab.attention import cpu_decode
-
     if kernel == "1" and not cpu_decode.available():
+        if shutil.which(cpu_kernel_build.compiler()) is not None:
+            pytest.fail("a C compiler exists but the C kernel did not build (see the warning)")
         pytest.skip("no C compiler: the kernel is not built")
     lens = [max(1, min(n, 4 * min(lens))) for n in lens]
     with pytest.MonkeyPatch.context() as patch:
