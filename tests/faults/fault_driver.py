@@ -7,7 +7,9 @@ pipeline, records every event, and checks the invariants of the suite:
 - a fault in user code or the model never escapes ``step()`` (an interrupt
   is re-raised; only the engine's own stages may raise an exception);
 - every request ends exactly once (one final event) and its output agrees
-  with its events; a failed request says why;
+  with its events; a failed request says why, and it is one a fired fault
+  could fail (``FaultPlan.may_fail``: the request it was aimed at, or one of
+  the batch call it fired in): no collateral damage;
 - a greedy request's tokens are a prefix of a fresh pipeline's greedy output;
 - once faults stop the pipeline drains to idle, then every KV block but the
   null block is free and nothing is left in the scheduler, the KV cache
@@ -155,12 +157,18 @@ class Driver:
         assert out.finish_reason == event.finish_reason, (rid, out.finish_reason, event.finish_reason)
         if out.finish_reason == "error":
             assert out.error, f"{rid} failed without a message"
+            self.check_not_collateral(rid, out.error)
         if asked["kind"] != "sampled":
             want = reference(self.backend, asked["prompt"])[0][: asked["max_tokens"]]
             assert tuple(out.token_ids) == want[: len(out.token_ids)], \
                 f"{rid} ({out.finish_reason}, {out.error}): {out.token_ids} is not a prefix of {want}"
             if out.finish_reason == "length":
                 assert len(out.token_ids) == asked["max_tokens"]
+
+    def check_not_collateral(self, rid: str, error: str) -> None:
+        """A failed request must be in the scope of a fired fault (not a bystander)."""
+        fired = [(f.stage, f.kind, f.target, sorted(f.scope)) for f in self.plan.fired]
+        assert self.plan.may_fail(rid), f"{rid} failed ({error}) but no fired fault could fail it: {fired}"
 
     def check_consistent(self) -> None:
         """Cheap checks valid at any time."""
@@ -190,6 +198,8 @@ class Driver:
             assert len(outs) == len(prompt_indices)
             for i, out in zip(prompt_indices, outs):
                 assert out.finish_reason is not None
+                if out.finish_reason == "error":
+                    self.check_not_collateral(out.request_id, out.error)
                 want = reference(self.backend, PROMPTS[i])[0][:max_tokens]
                 assert tuple(out.token_ids) == want[: len(out.token_ids)], (out.finish_reason, out.error)
                 if out.finish_reason == "length":
