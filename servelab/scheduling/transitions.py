@@ -438,12 +438,15 @@ class RequestTransitions:
     def _finish(self, request: Request, status: RequestStatus, new_token_ids: list[int] = _EMPTY) -> RequestOutput:
         """End ``request`` (out of the queues already) with ``status``; returns
         its final output. The only way out of ``self.requests``."""
-        if self.kv_connector is None or not self._connector_holds_blocks(request):
+        connector = self.kv_connector
+        if connector is None:
             self.kv_cache_manager.free(request)
         rid = request.request_id
         del self.requests[rid]
         self._finished_ids.add(rid)
         request.status = status
+        if connector is not None and not self._connector_holds_blocks(request):
+            self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         request.finish_time = self.clock()
         out = RequestOutput(rid, new_token_ids, True, request.finish_reason, request.stop_reason,
