@@ -15,9 +15,14 @@ What it adds, following vLLM v1's scheduler:
   ``WAITING_FOR_REMOTE_KVS``: out of the waiting queue, not running, holding
   its blocks, costing no token budget. When the worker reports the load
   finished (``KVTransferResult.finished_recving``) its blocks are committed
-  (findable by prefix lookup: their KV is now really in the pool),
-  ``num_computed_tokens`` covers them, and it goes back to the waiting queue
-  to compute the rest.
+  (findable by prefix lookup: their KV is now really in the pool) and
+  released to the prefix cache, and the request goes back to the waiting
+  queue; its admission then finds them as a local prefix hit. (vLLM keeps
+  them held instead; releasing them means a landed request holds nothing
+  while it waits, so waiting requests can never deadlock the pool. The price:
+  under heavy pressure the pool may evict them before the request is
+  admitted; it then recomputes them — a request is offered external tokens
+  once, so this always ends.) Connectors therefore need prefix caching.
 - **Failed loads recompute.** A request in ``failed_recving`` (async), or
   whose synchronous load in this step failed, loses its blocks and goes back
   to the waiting queue with nothing computed; it is never offered external
@@ -60,6 +65,9 @@ class ConnectorStates:
     _roll_back: Callable[[Request, bool], None]
 
     def _init_connector(self, kv_connector: Any) -> None:
+        if kv_connector is not None and not self.kv_cache_manager.enable_caching:
+            raise ValueError("kv_connector needs prefix caching (enable_prefix_caching=True): loaded KV reaches "
+                             "its request through the prefix cache")
         self.kv_connector = kv_connector
         self._waiting_remote: dict[str, Request] = {}
         """Requests parked while their KV loads (``WAITING_FOR_REMOTE_KVS``)."""
@@ -68,7 +76,7 @@ class ConnectorStates:
         self._delayed_free: dict[str, Request] = {}
         """Ended requests whose blocks the connector still holds (sending, or a load in flight)."""
         self._no_external: set[str] = set()
-        """Requests whose load failed: recomputed, never offered external tokens again."""
+        """Requests whose load landed or failed: never offered external tokens again."""
         self.num_external_hit_tokens = 0
         self.num_failed_loads = 0
 
@@ -133,13 +141,14 @@ class ConnectorStates:
             if rid in failed:
                 self._load_failed(req, status)
                 continue
-            computed = num_hit + num_ext
+            # Commit after compute: the loaded KV is in the pool now. Then the blocks go to the
+            # prefix cache and the request's admission finds them as a local hit.
+            req.num_computed_tokens = num_hit + num_ext
+            self.kv_cache_manager.cache_blocks(req, num_hit + num_ext)
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
             req.status = status
-            req.num_computed_tokens = computed
-            cache_blocks = getattr(self, "_cache_blocks", None)
-            if cache_blocks is not None:  # commit after compute: the loaded KV is in the pool now
-                cache_blocks(req, computed)
-                req.num_committed_blocks = computed // self.block_size
+            self._no_external.add(rid)
             self._requeue(req, "loaded")
         for rid in result.finished_sending:
             self._release_delayed(rid)
@@ -203,13 +212,8 @@ class ConnectorStates:
         """Admit ``req`` (the head of the waiting queue) as ``_schedule_waiting`` does, plus
         external tokens; returns the budget it used, or None to stop admitting."""
         kv, cfg = self.kv_cache_manager, self.config
-        loaded = req.num_computed_tokens  # > 0: its remote KV landed; it holds the blocks
-        num_ext, load_async = 0, False
-        if loaded:
-            hit_blocks, num_hit = None, 0
-        else:
-            hit_blocks, num_hit = kv.get_computed_blocks(req) if kv.enable_caching else (None, 0)
-            num_ext, load_async = self._external_tokens(req, num_hit)
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        num_ext, load_async = self._external_tokens(req, num_hit)
         others_hold_kv = bool(self.running or self._waiting_remote or self._delayed_free)
         if load_async:
             if self._park_for_load(req, num_hit, hit_blocks, num_ext):
@@ -220,7 +224,7 @@ class ConnectorStates:
             if others_hold_kv:
                 return None
             num_ext = 0  # alone and the external part does not fit: compute it instead
-        start = (loaded or num_hit) + num_ext
+        start = num_hit + num_ext
         n = req.num_tokens - start
         if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
             n = cfg.long_prefill_token_threshold
@@ -229,14 +233,9 @@ class ConnectorStates:
                 return None
             n = budget
         ahead = cfg.num_speculative_tokens if start + n >= req.num_tokens else 0
-        if loaded:
-            new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
-            if new_blocks is None and ahead:
-                new_blocks = kv.allocate_slots(req, n)
-        else:
-            new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks, ahead)
-            if new_blocks is None and ahead:
-                new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks)
+        new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks, ahead)
+        if new_blocks is None and ahead:
+            new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks)
         if new_blocks is None and others_hold_kv:
             return None
         if not self._pop_waiting(req):
