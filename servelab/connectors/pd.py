@@ -209,31 +209,48 @@ class PDConnector(KVConnector):
 
 def disaggregated_generate(prefill: Any, decode: Any, prompts: Sequence[Any], sampling_params: Any) -> list[Any]:
     """Prefill on ``prefill`` (a pipeline with a producer ``PDConnector``), decode on ``decode``
-    (a consumer on the same channel). Returns one output per prompt: ``token_ids`` the
-    first token (from the prefill) followed by the decode's; ``prompt_token_ids`` the prompt."""
+    (a consumer on the same channel), interleaved: a request is handed to the decode pipeline
+    as soon as its prefill ends, and both pipelines step in turn (so the producer's held
+    blocks are confirmed and freed while other prefills still need room). Returns one output
+    per prompt, in order: ``token_ids`` the first token (from the prefill) followed by the
+    decode's; ``prompt_token_ids`` the prompt."""
     producer = prefill.kv_connector
     if not isinstance(producer, PDConnector) or producer.role != "producer":
         raise ValueError("prefill must be a Pipeline whose kv_connector is a PDConnector(role='producer')")
     if not isinstance(decode.kv_connector, PDConnector) or decode.kv_connector.role != "consumer":
         raise ValueError("decode must be a Pipeline whose kv_connector is a PDConnector(role='consumer')")
-    firsts = prefill.generate(prompts, dataclasses.replace(sampling_params, max_tokens=1))
-    todo, params = [], []
-    for out in firsts:
-        handoff = producer.transfer_params(out.request_id)
-        if out.finish_reason != "length" or sampling_params.max_tokens <= 1:
-            if handoff is not None:  # ended at its first token (stop, max_tokens=1): release it now
-                producer.channel.confirm(handoff["transfer_id"])
-            continue
-        extra = dict(sampling_params.extra_args or {})
-        if handoff is not None:
-            extra["kv_transfer_params"] = handoff
-        todo.append(out)
-        params.append(dataclasses.replace(sampling_params, max_tokens=sampling_params.max_tokens - 1,
-                                          extra_args=extra))
-    rest = decode.generate([list(o.prompt_token_ids) + list(o.token_ids) for o in todo], params) if todo else []
-    prefill.step()  # the producer hears of confirmed transfers and frees their blocks
-    for first, out in zip(todo, rest):
-        first.token_ids = list(first.token_ids) + list(out.token_ids)
-        first.text += out.text
-        first.finish_reason, first.stop_reason, first.error = out.finish_reason, out.stop_reason, out.error
-    return firsts
+    first = dataclasses.replace(sampling_params, max_tokens=1)
+    index = {prefill.add_request(p, first, index=i): i for i, p in enumerate(prompts)}
+    results: list[Any] = [None] * len(prompts)
+    in_decode: dict[str, int] = {}
+    while index or in_decode:
+        for event in prefill.step() if index else ():
+            if event.finished and event.request_id in index:
+                i = index.pop(event.request_id)
+                out = results[i] = prefill.get_output(event.request_id, pop=True)
+                rid = _hand_over(producer, decode, out, sampling_params)
+                if rid is not None:
+                    in_decode[rid] = i
+        for event in decode.step() if in_decode else ():
+            if event.finished and event.request_id in in_decode:
+                out = decode.get_output(event.request_id, pop=True)
+                done = results[in_decode.pop(event.request_id)]
+                done.token_ids = list(done.token_ids) + list(out.token_ids)
+                done.text += out.text
+                done.finish_reason, done.stop_reason, done.error = out.finish_reason, out.stop_reason, out.error
+    prefill.step()  # the producer hears of the last confirmations and frees those blocks
+    return results
+
+
+def _hand_over(producer: PDConnector, decode: Any, out: Any, sampling_params: Any) -> str | None:
+    """Queue the decode of a finished prefill (its id), or None when it ended at its first token."""
+    handoff = producer.transfer_params(out.request_id)
+    if out.finish_reason != "length" or sampling_params.max_tokens <= 1:
+        if handoff is not None:  # nothing to decode (stop, error, max_tokens=1): release the blocks now
+            producer.channel.confirm(handoff["transfer_id"])
+        return None
+    extra = dict(sampling_params.extra_args or {})
+    if handoff is not None:
+        extra["kv_transfer_params"] = handoff
+    params = dataclasses.replace(sampling_params, max_tokens=sampling_params.max_tokens - 1, extra_args=extra)
+    return decode.add_request(list(out.prompt_token_ids) + list(out.token_ids), params)

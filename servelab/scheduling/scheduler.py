@@ -343,6 +343,10 @@ class Scheduler(RequestTransitions, ConnectorStates):
         kv = self.kv_cache_manager
         running = self.running
         while True:
+            if len(running) == 1 and (self._delayed_free or self._waiting_remote):
+                running.pop(i)  # blocks a KV connector holds come back: wait for them
+                self._preempt(req, step)
+                return None, i
             if len(running) == 1:  # alone, and still no room: it never will be
                 if ahead:
                     new_blocks = kv.allocate_slots(req, n)
