@@ -47,6 +47,9 @@ including steps that compute nothing):
   ``i``'s wait);
 - after the forward ``save_kv_layer(layer, kv_layer, attn_metadata)`` per
   layer, then ``wait_for_save()``;
+- on a step that computes nothing while ``has_pending_work()``,
+  ``wait_for_any(timeout)`` first: block until a transfer completes (or the
+  timeout), so an engine waiting only for KV sleeps instead of spinning;
 - ``get_finished(finished_req_ids)`` last: a :class:`KVTransferResult` with the
   requests whose async sends completed (``finished_sending``), whose async loads
   completed (``finished_recving``) and, among those, whose load **failed**
@@ -82,9 +85,15 @@ __all__ = ["KVConnector", "KVConnectorMetadata", "KVTransferResult", "check_kv_c
 
 @dataclass
 class KVConnectorMetadata:
-    """What the scheduler side tells the worker side for one step (connectors subclass it)."""
+    """What the scheduler side tells the worker side for one step (connectors subclass it).
+
+    ``started`` is set by the model runner when it binds the metadata: a step
+    rolled back before that (an interrupted ``schedule()``) never ran its
+    work, and the connector must carry it into the next metadata — except
+    synchronous loads, whose request was rolled back with the step."""
 
     step: int = 0
+    started: bool = False
 
 
 @dataclass
@@ -176,6 +185,9 @@ class KVConnector(ABC):
     @abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> KVTransferResult:
         """Transfers completed since the last call (see :class:`KVTransferResult`)."""
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Block until a transfer completes or ``timeout`` seconds pass (default: return)."""
 
     def shutdown(self) -> None:
         """Stop background work (threads); idempotent."""

@@ -99,6 +99,7 @@ class OffloadConnector(KVConnector):
         self._thread: threading.Thread | None = None
         self._inflight = 0
         self._sync_results: list[tuple[str, bool]] = []
+        self._last_meta: OffloadMetadata | None = None
         self.num_lookups = 0
         self.num_hit_tokens = 0
         self.num_loads = 0
@@ -167,8 +168,13 @@ class OffloadConnector(KVConnector):
         self.num_hit_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadMetadata:
+        last = self._last_meta
+        if last is not None and not last.started:  # that step was rolled back before it ran
+            self._pending_saves[:0] = last.saves  # no forward ran since: the blocks are intact
+            self._pending_loads[:0] = [job for job in last.loads if job.load_async]  # still parked
         meta = OffloadMetadata(step=scheduler_output.step, saves=self._pending_saves, loads=self._pending_loads)
         self._pending_saves, self._pending_loads = [], []
+        self._last_meta = meta
         return meta
 
     def has_pending_work(self) -> bool:
@@ -244,6 +250,13 @@ class OffloadConnector(KVConnector):
             if payload is not None:
                 return payload
         return None
+
+    def wait_for_any(self, timeout: float) -> None:
+        if self._inflight and self._done.empty():
+            try:
+                self._done.put(self._done.get(timeout=timeout))
+            except queue.Empty:
+                pass
 
     def wait_for_save(self) -> None:
         """Saves are synchronous copies (done in ``handle_preemptions``)."""

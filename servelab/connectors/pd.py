@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,7 @@ class PDConnector(KVConnector):
         self._pulled: set[str] = set()  # consumer: transfers it loaded (or tried to)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight = 0
+        self._last_meta: PDMetadata | None = None
         self.num_sent = self.num_received = self.num_failed_loads = self.num_expired = 0
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -133,8 +135,12 @@ class PDConnector(KVConnector):
         self._loads.append((request.request_id, tid, [(i, block_ids[i]) for i in range(start, end)]))
 
     def build_connector_meta(self, scheduler_output: Any) -> PDMetadata:
+        last = self._last_meta
+        if last is not None and not last.started:  # that step was rolled back before it ran
+            self._loads[:0] = last.loads  # the requests are still parked, holding their blocks
         meta = PDMetadata(step=scheduler_output.step, loads=self._loads)
         self._loads = []
+        self._last_meta = meta
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -188,6 +194,15 @@ class PDConnector(KVConnector):
             except Exception:
                 pass  # the lease will expire
         self._done.put((rid, ok))
+
+    def wait_for_any(self, timeout: float) -> None:
+        if self._inflight and self._done.empty():
+            try:
+                self._done.put(self._done.get(timeout=timeout))
+            except queue.Empty:
+                pass
+        elif self._published:  # only leases pending: a short nap, then settle again
+            time.sleep(min(timeout, 0.005))
 
     def get_finished(self, finished_req_ids: set[str]) -> KVTransferResult:
         result = KVTransferResult()

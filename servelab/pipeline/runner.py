@@ -345,6 +345,8 @@ class ModelRunner(SamplingSteps):
             self._connector_before(so)
         if so.is_empty():
             if connector is not None:
+                if connector.has_pending_work():  # nothing to compute but KV in flight: wait, do not spin
+                    connector.wait_for_any(0.05)
                 return ModelRunnerOutput([], [], kv_connector_output=self._connector_after(so, None))
             return ModelRunnerOutput([], [])
         spec = so.scheduled_spec_decode_tokens
@@ -394,6 +396,8 @@ class ModelRunner(SamplingSteps):
     def _connector_before(self, so: SchedulerOutput) -> None:
         """Metadata bound; saves of what this forward overwrites; loads started and waited for."""
         connector, metadata = self.kv_connector, so.kv_connector_metadata
+        if metadata is not None:
+            metadata.started = True
         connector.bind_connector_metadata(metadata)
         connector.handle_preemptions(metadata)
         connector.start_load_kv()

@@ -70,14 +70,16 @@ class Driver:
     """A pipeline with every fault seam installed, and its bookkeeping."""
 
     def __init__(self, backend: str = "torch", *, pool_slack: int = 2, max_num_seqs: int = 3, budget: int = 12,
-                 spec: int = 0) -> None:
+                 spec: int = 0, kv_connector=None, extra_args_for=None) -> None:
         self.backend, self.spec = backend, spec
+        self.extra_args_for = extra_args_for  # prompt index -> more SamplingParams.extra_args (connector tests)
         self.plan = FaultPlan()
         longest = LONGEST_PROMPT + MAX_TOKENS + spec
         need = -(-longest // BLOCK_SIZE) + 1  # the longest request alone, plus the null block
         kwargs = dict(block_size=BLOCK_SIZE, num_blocks=need + pool_slack, enable_prefix_caching=True,
                       attention_backend=backend, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max(budget, spec + 1), policy=FaultyPolicy(self.plan))
+                      max_num_batched_tokens=max(budget, spec + 1), policy=FaultyPolicy(self.plan),
+                      kv_connector=kv_connector)
         if spec:
             kwargs.update(drafter=make_drafter(self.plan), num_speculative_tokens=spec,
                           verifier=make_verifier(self.plan))
@@ -94,6 +96,8 @@ class Driver:
 
     def params(self, rid: str, prompt: tuple[int, ...], kind: str, max_tokens: int) -> SamplingParams:
         extra = {"rid": rid}  # lets the logits processor tell rows apart
+        if self.extra_args_for is not None:
+            extra.update(self.extra_args_for(PROMPTS.index(prompt)))
         if kind == "sampled":
             return SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=self.counter, extra_args=extra)
         stop = [stop_string_for(self.backend, prompt)] if kind == "stop" else ()
@@ -193,6 +197,7 @@ class Driver:
                 f"a fault in user code or the model escaped generate(): {exc!r}"
         self.used_prompts.update(prompt_indices)
         if not self.live:
+            self.settle_transfers()
             assert leak_report(self.pipe) == [], leak_report(self.pipe)
         if outs is not None:
             assert len(outs) == len(prompt_indices)
@@ -205,12 +210,21 @@ class Driver:
                 if out.finish_reason == "length":
                     assert len(out.token_ids) == max_tokens
 
+    def settle_transfers(self) -> None:
+        """Step until a KV connector holds no blocks (leases run out, loads land)."""
+        for _ in range(DRAIN_STEPS):
+            if not self.pipe.scheduler.has_pending_kv_transfers():
+                return
+            self.step()
+        raise AssertionError("KV transfers never settled: blocks held forever")
+
     def drain_and_check(self, probe: int = 0) -> None:
         self.plan.disarm()
         for _ in range(DRAIN_STEPS):
             if not self.pipe.has_unfinished_requests():
                 break
             self.step()
+        self.settle_transfers()
         assert not self.live, f"requests never ended (zombies): {sorted(self.live)[:5]}"
         assert leak_report(self.pipe) == [], leak_report(self.pipe)
         self.check_consistent()
@@ -223,4 +237,5 @@ class Driver:
         fired = [(f.stage, f.kind, f.when) for f in self.plan.fired]
         assert tuple(out[0].token_ids) == reference(self.backend, prompt)[0], \
             f"after faults {fired} the greedy output differs from a fresh pipeline's (poisoned cache)"
+        self.settle_transfers()
         assert leak_report(self.pipe) == [], leak_report(self.pipe)
