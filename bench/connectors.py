@@ -157,6 +157,8 @@ def pd_rows(args, model, tok) -> list[dict]:
             plain = Pipeline(model, tok, **kw)
             prompt = [1] + [rng.randrange(100, vocab) for _ in range(length - 1)]
             with torch.inference_mode():
+                for pipe in (decode, plain):  # warm both (first-forward costs are not the handoff's)
+                    pipe.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
                 first = prefill.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
                 params = prefill.kv_connector.transfer_params(first.request_id)
                 state = params["token_ids"]
@@ -201,6 +203,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pd-lengths", type=int, nargs="*", default=[128, 512])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", nargs="+", choices=["offload", "pd"], default=["offload", "pd"])
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args(argv)
     for name in ("threads", "block_size", "num_blocks", "cpu_blocks", "conversations", "turns", "system_tokens",
@@ -210,10 +213,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         model, tok = load(args.model, folder)
-        print("offload: conversations through a small pool, with and without a host tier")
-        rows = offload_rows(args, model, tok)
-        print("pd: handoff vs recompute")
-        rows += pd_rows(args, model, tok)
+        rows = []
+        if "offload" in args.parts:
+            print("offload: conversations through a small pool, with and without a host tier")
+            rows += offload_rows(args, model, tok)
+        if "pd" in args.parts:
+            print("pd: handoff vs recompute")
+            rows += pd_rows(args, model, tok)
     if not args.no_record:
         print(f"results: {append_rows(rows)}")
     return 0
