@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import one_by_one, shared_prefix_prompts
+from connector_helpers import one_by_one, shared_prefix_prompts
 
 from servelab import Pipeline, SamplingParams
 from servelab.connectors.offload import OffloadConnector

@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import shared_prefix_prompts
+from connector_helpers import shared_prefix_prompts
 
 from servelab import Pipeline, SamplingParams
 from servelab.connectors.channels import DirectoryChannel, InProcessChannel

@@ -4,7 +4,7 @@ that does nothing leaves outputs and the hot path unchanged."""
 from __future__ import annotations
 
 import pytest
-from conftest import one_by_one, shared_prefix_prompts
+from connector_helpers import one_by_one, shared_prefix_prompts
 
 from servelab import Pipeline, SamplingParams
 from servelab.connectors import (
