@@ -207,7 +207,7 @@ class OffloadConnector(KVConnector):
 
     def start_load_kv(self, **kwargs: Any) -> None:
         metadata = self._metadata
-        if metadata is None:
+        if not isinstance(metadata, OffloadMetadata):
             return
         for job in metadata.loads:
             self.num_loads += 1

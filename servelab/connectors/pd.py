@@ -128,7 +128,10 @@ class PDConnector(KVConnector):
     def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
         if not num_external_tokens:
             return
-        tid = self._request_params(request)["transfer_id"]
+        params = self._request_params(request)
+        if params is None:
+            return
+        tid = params["transfer_id"]
         start = request.num_computed_tokens // self.block_size
         end = (request.num_computed_tokens + num_external_tokens) // self.block_size
         self._pulled.add(tid)
@@ -175,7 +178,7 @@ class PDConnector(KVConnector):
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._metadata
-        if meta is None:
+        if not isinstance(meta, PDMetadata):
             return
         for rid, tid, pairs in meta.loads:
             self._inflight += 1

@@ -90,6 +90,7 @@ class TierStore:
             if not self._free:
                 (victim,) = self.policy.evict(1)
                 old = victim.block_hash
+                assert old is not None  # the policy holds indexed slots only
                 del self._index[old]
                 evicted.append((old, self._drop(victim)))
                 victim.block_hash = None
@@ -113,6 +114,7 @@ class TierStore:
         """Forget a slot's payload; returns it (read from disk for a directory tier)."""
         if self.directory is None:
             return self._payload.pop(slot.block_id)
+        assert slot.block_hash is not None
         path = self._path(slot.block_hash)
         try:
             payload = torch.load(path, weights_only=True)

@@ -61,8 +61,15 @@ class ConnectorStates:
     requests: dict[str, Request]
     block_size: int
     _unreported_preempted: set[str]
+    config: Any
+    policy: Any
+    _token_hook: Callable[[Request, int], None] | None
     _requeue: Callable[[Request, str], None]
     _roll_back: Callable[[Request, bool], None]
+    _fail: Callable[[Request, str], None]
+    _no_room_message: Callable[[Request, int], str]
+    _admit: Callable[[Any, Request, int, int], None]
+    _waiting_queue_failed: Callable[[Exception], None]
 
     def _init_connector(self, kv_connector: Any) -> None:
         if kv_connector is not None and not self.kv_cache_manager.enable_caching:
@@ -136,6 +143,9 @@ class ConnectorStates:
                     if rid in failed and req is not None and req.status is _RUNNING:
                         self._sync_load_failed(req)
                 self._release_delayed(rid)  # ended while loading
+                continue
+            if plan is None:  # parked without a plan: cannot happen; never leave it parked
+                self._requeue(req, "loaded")
                 continue
             status, num_hit, num_ext, _ = plan
             if rid in failed:
