@@ -222,8 +222,11 @@ class ConnectorStates:
         """Admit ``req`` (the head of the waiting queue) as ``_schedule_waiting`` does, plus
         external tokens; returns the budget it used, or None to stop admitting."""
         kv, cfg = self.kv_cache_manager, self.config
-        hit_blocks, num_hit = kv.get_computed_blocks(req)
-        num_ext, load_async = self._external_tokens(req, num_hit)
+        if getattr(req.sampling_params, "prompt_logprobs", None) is not None and req.num_tokens <= req.num_prompt_tokens:
+            hit_blocks, num_hit, num_ext, load_async = None, 0, 0, False  # prompt logprobs: compute it all
+        else:
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            num_ext, load_async = self._external_tokens(req, num_hit)
         others_hold_kv = bool(self.running or self._waiting_remote or self._delayed_free)
         if load_async:
             if self._park_for_load(req, num_hit, hit_blocks, num_ext):
