@@ -87,6 +87,12 @@ class ConnectorStates:
         self.num_external_hit_tokens = 0
         self.num_failed_loads = 0
 
+    def attach_kv_connector(self, kv_connector: Any) -> None:
+        """Give a scheduler that holds no request yet a KV connector (what ``kv_connector=`` does)."""
+        if self.requests:
+            raise ValueError("attach_kv_connector: the scheduler already holds requests")
+        self._init_connector(kv_connector)
+
     # ---- admission -----------------------------------------------------------------
 
     def _external_tokens(self, req: Request, num_hit: int) -> tuple[int, bool]:

@@ -155,7 +155,7 @@ class Request:
         "num_tokens", "num_computed_tokens", "spec_token_ids", "status", "stop_reason", "error", "max_tokens",
         "min_tokens", "stop_token_ids", "block_hashes", "_hasher", "arrival_order", "num_cached_tokens",
         "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "first_scheduled_time", "first_token_time",
-        "token_times", "finish_time", "num_committed_blocks", "kv_transfer_params",
+        "token_times", "finish_time", "num_committed_blocks", "kv_capacity", "kv_transfer_params",
     )
 
     def __init__(
@@ -223,6 +223,9 @@ class Request:
         self.num_committed_blocks = 0
         self.kv_transfer_params: dict | None = None
         """What a KV connector returned for this request when it ended (see servelab.connectors)."""
+        # Token slots its KV blocks hold, as the scheduler last saw them (blocks x block size; kept
+        # only with a KV manager whose held_blocks_cover_slots): a decode that fits skips allocate_slots.
+        self.kv_capacity = 0
 
         self.arrival_order = -1
         self.num_cached_tokens = -1
