@@ -20,12 +20,16 @@ fails:
 - RSS growth after warm-up (the first window) < 5%;
 - zero leaked KV blocks whenever the pipeline is idle;
 - a greedy probe request (a prompt sharing the workload's prefixes) gives a
-  fresh pipeline's output after every fault (no poisoned prefix cache).
+  fresh pipeline's output after every fault (no poisoned prefix cache);
+- no collateral failure: a fault aimed at one request (the logits processor,
+  the policy hook) fails that request only, the tokenizer fault at most the
+  one request being delivered; only a forward fault may fail its whole batch.
 
 Rows go to ``bench/results/results.csv`` (component ``soak``): RSS per
 checkpoint, window throughput (value = median window, p20/p80 across
-windows), RSS growth, leaked blocks, probe mismatches, requests failed and
-faults injected.
+windows), RSS growth, leaked blocks, probe mismatches, requests failed,
+collateral failures and faults injected. ``params`` name the decode path
+(``c_decode_kernel``: whether the compiled CPU decode kernel was used).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class Injector:
     def __init__(self) -> None:
         self.armed: str | None = None
         self.count = 0
+        self.scope: set[str] = set()  # the requests of the step a forward fault failed
 
     def fire(self, name: str) -> BaseException:
         self.armed = None
@@ -127,6 +132,7 @@ def build_pipeline(folder: str, injector: Injector, args):
 
     def forward(*a, **k):
         if injector.armed in ("forward_error", "forward_interrupt"):
+            injector.scope = set(pipe.scheduler.in_flight_output.num_scheduled_tokens)
             raise injector.fire(injector.armed)
         return real_forward(*a, **k)
 
@@ -162,14 +168,14 @@ def run(args) -> tuple[list[dict], bool]:
         greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         want = reference.generate([probe], greedy)[0].token_ids
         windows, checkpoints = [], []
-        done = failed = tokens = leaks = mismatches = 0
+        done = failed = tokens = leaks = mismatches = collateral = 0
         window_start, window_tokens, window_done = time.perf_counter(), 0, 0
         next_fault = args.fault_every
         while done < args.num_requests:
             size = min(args.batch_size, args.num_requests - done)
             fault = done + size >= next_fault
             if fault:
-                injector.armed = FAULTS[(next_fault // args.fault_every) % len(FAULTS)]
+                name = injector.armed = FAULTS[(next_fault // args.fault_every) % len(FAULTS)]
                 next_fault += args.fault_every
             prompts, params = make_batch(rng, prefixes, size, victim=fault)
             try:
@@ -178,8 +184,10 @@ def run(args) -> tuple[list[dict], bool]:
                 if "soak: injected" not in str(exc):
                     raise
                 outs = pipe.last_outputs
-            injector.armed = None
+            fired, injector.armed = injector.armed is None, None
             failed += sum(o.finish_reason in ("error", "abort") for o in outs) + (size - len(outs))
+            collateral += count_collateral(name if fault else None, fired, injector.scope, outs, params)
+            injector.scope = set()
             n_tok = sum(len(o.token_ids) for o in outs)
             tokens, window_tokens = tokens + n_tok, window_tokens + n_tok
             done, window_done = done + size, window_done + size
@@ -201,15 +209,35 @@ def run(args) -> tuple[list[dict], bool]:
                 window_start, window_tokens, window_done = time.perf_counter(), 0, 0
     base = checkpoints[0]["rss"]  # after the warm-up window
     growth = (checkpoints[-1]["rss"] - base) / base * 100
-    ok = growth < 5.0 and leaks == 0 and mismatches == 0
+    ok = growth < 5.0 and leaks == 0 and mismatches == 0 and collateral == 0
     print(f"RSS growth after warm-up {growth:+.2f}% (limit 5%), leaks {leaks}, poisoned probes {mismatches}, "
-          f"faults {injector.count}, failed requests {failed}: {'OK' if ok else 'FAILED'}")
-    return summary_rows(args, windows, checkpoints, growth, leaks, mismatches, failed, injector.count), ok
+          f"collateral failures {collateral}, faults {injector.count}, failed requests {failed}: "
+          f"{'OK' if ok else 'FAILED'}")
+    counts = dict(leaks=leaks, mismatches=mismatches, failed=failed, collateral=collateral, faults=injector.count)
+    return summary_rows(args, windows, checkpoints, growth, counts), ok
 
 
-def summary_rows(args, windows, checkpoints, growth, leaks, mismatches, failed, faults) -> list[dict]:
+def count_collateral(name: str | None, fired: bool, scope: set[str], outs, params) -> int:
+    """Failed requests the batch's fault had no business failing (see the module docstring).
+
+    ``name``: the fault armed for this batch (None: none); ``fired``: whether
+    it fired; ``scope``: for a forward fault, the requests of the failed step."""
+    errors = [(o, p) for o, p in zip(outs, params) if o.finish_reason == "error"]
+    if name is None or not fired or name == "forward_interrupt":  # nothing may fail with "error"
+        return len(errors)
+    if name == "forward_error":
+        return sum(o.request_id not in scope for o, _ in errors)
+    if name == "detokenizer":  # the one request being delivered
+        return max(len(errors) - 1, 0)
+    return sum(not (p.extra_args or {}).get("victim") for _, p in errors)  # aimed at the victim
+
+
+def summary_rows(args, windows, checkpoints, growth, counts) -> list[dict]:
+    from servelab.attention import cpu_decode
+
     params = {"num_requests": args.num_requests, "window": args.window, "batch_size": args.batch_size, "fault_every": args.fault_every,
-              "num_blocks": args.num_blocks, "backend": args.backend, "model": "tiny-llama"}
+              "num_blocks": args.num_blocks, "backend": args.backend, "model": "tiny-llama",
+              "threads": args.threads, "decode_path": "carried-kv", "c_decode_kernel": bool(cpu_decode.available())}
     rows = [make_row("soak", "servelab", "rss_mib", "MiB", c["rss"] / 2**20,
                      params={**params, "after_requests": c["requests"]}) for c in checkpoints]
     for metric, unit, key in (("throughput_req_per_s", "req/s", "requests"), ("throughput_tok_per_s", "tok/s", "tokens")):
@@ -217,9 +245,12 @@ def summary_rows(args, windows, checkpoints, growth, leaks, mismatches, failed, 
         q = statistics.quantiles(rates, n=5) if len(rates) > 1 else [rates[0]] * 4
         rows.append(make_row("soak", "servelab", metric, unit, statistics.median(rates), params=params,
                              p20=q[0], p50=statistics.median(rates), p80=q[3]))
-    for metric, unit, value in (("rss_growth_after_warmup", "%", growth), ("leaked_block_events", "count", leaks),
-                                ("poisoned_probes", "count", mismatches), ("failed_requests", "count", failed),
-                                ("faults_injected", "count", faults)):
+    for metric, unit, value in (("rss_growth_after_warmup", "%", growth),
+                                ("leaked_block_events", "count", counts["leaks"]),
+                                ("poisoned_probes", "count", counts["mismatches"]),
+                                ("failed_requests", "count", counts["failed"]),
+                                ("collateral_failures", "count", counts["collateral"]),
+                                ("faults_injected", "count", counts["faults"])):
         rows.append(make_row("soak", "servelab", metric, unit, value, params=params))
     return rows
 

@@ -6,7 +6,11 @@ Runs a small model through ``vllm.LLM`` four ways, greedy, same prompts:
 2. servelab's Triton paged attention as vLLM's ``CUSTOM`` attention backend
    (``servelab.integrations.vllm.register_attention_backend``);
 3. vLLM's attention with a bridged servelab scheduler (``make_scheduler_cls("sjf")``);
-4. both.
+4. both;
+5. vLLM with servelab's host-tier offload as its KV connector
+   (``servelab.integrations.vllm.kv_connector.ServelabOffloadConnector``: the
+   worker side copies finished requests' blocks to host memory and loads them
+   back on a prefix miss).
 
 Checks that 2-4 produce the same tokens as 1 (greedy; a few tokens may differ
 where two logits tie within float error: reported as the share of identical
@@ -45,7 +49,12 @@ PROMPTS = [
 ]
 
 
-def llm_kwargs(args, *, servelab_attention: bool, bridged_policy: str | None) -> dict:
+KV_OFFLOAD = {"kv_connector": "ServelabOffloadConnector",
+              "kv_connector_module_path": "servelab.integrations.vllm.kv_connector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"cpu_blocks": 4096}, "kv_load_failure_policy": "recompute"}
+
+
+def llm_kwargs(args, *, servelab_attention: bool, bridged_policy: str | None, kv_offload: bool = False) -> dict:
     from servelab.integrations.vllm import make_scheduler_cls
 
     kwargs = dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
@@ -55,6 +64,8 @@ def llm_kwargs(args, *, servelab_attention: bool, bridged_policy: str | None) ->
     if bridged_policy:
         kwargs["scheduler_cls"] = make_scheduler_cls(bridged_policy)
         kwargs["async_scheduling"] = False  # the bridge extends the synchronous Scheduler here
+    if kv_offload:
+        kwargs["kv_transfer_config"] = dict(KV_OFFLOAD)
     return kwargs
 
 
@@ -112,7 +123,14 @@ def cpu_smoke(args) -> int:
         kwargs = llm_kwargs(args, **variant)
         engine_args = EngineArgs(**kwargs)
         assert engine_args.model == args.model
-    print("LLM arguments accepted by EngineArgs: attention_config CUSTOM, scheduler_cls bridged")
+    engine_args = EngineArgs(**llm_kwargs(args, servelab_attention=False, bridged_policy=None, kv_offload=True))
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**KV_OFFLOAD))
+    assert cls.__name__ == "ServelabOffloadConnector" and engine_args.kv_transfer_config is not None
+    print("LLM arguments accepted by EngineArgs: attention_config CUSTOM, scheduler_cls bridged, "
+          f"kv_transfer_config -> {cls.__module__}.{cls.__name__}")
     print("cpu smoke: OK (no model was run; run on a CUDA machine for outputs and timings)")
     return 0
 
@@ -166,7 +184,8 @@ def main() -> int:
     variants = [("vllm", dict(servelab_attention=False, bridged_policy=None)),
                 ("servelab_attention", dict(servelab_attention=True, bridged_policy=None)),
                 ("bridged_sjf", dict(servelab_attention=False, bridged_policy="sjf")),
-                ("servelab_attention+bridged_sjf", dict(servelab_attention=True, bridged_policy="sjf"))]
+                ("servelab_attention+bridged_sjf", dict(servelab_attention=True, bridged_policy="sjf")),
+                ("servelab_kv_offload", dict(servelab_attention=False, bridged_policy=None, kv_offload=True))]
     rows = [run_variant(args, name, **v) for name, v in variants]
     print(f"\n{'variant':<34}{'tok/s':>10}{'identical':>11}  first divergence")
     failed = False

@@ -95,6 +95,11 @@ class BlockPool:
         self._on_hit = getattr(policy, "on_hit", None)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.evict_listeners: list = []
+        """Called as ``fn(blocks)`` with the indexed blocks being evicted, before their
+        hashes are dropped and before the caller writes them (a KV connector saves them)."""
+        self.cache_listeners: list = []
+        """Called as ``fn(blocks)`` with the blocks ``cache_full_blocks`` just indexed."""
 
     # ---- allocation -----------------------------------------------------
 
@@ -139,6 +144,8 @@ class BlockPool:
         if len(victims) != num_evict:
             raise RuntimeError(f"eviction policy {policy.name!r} returned {len(victims)} blocks for "
                                f"evict({num_evict})")
+        for listener in self.evict_listeners:
+            listener(victims)
         blocks = queue.popleft_n(queue._len)
         index = self.cached_block_hash_to_block
         for block in victims:
@@ -319,6 +326,9 @@ class BlockPool:
                 del index[blocks[i].block_hash]
                 blocks[i].block_hash = None
             raise TypeError(f"block_hashes must hold bytes, got {type(block_hashes[i]).__name__}") from None
+        if self.cache_listeners and added:
+            for listener in self.cache_listeners:
+                listener([blocks[i] for i in added])
         on_cached = self._on_cached
         if on_cached is not None and added:
             for i in added:

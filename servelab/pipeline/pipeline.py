@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from servelab.config import PipelineConfig
+from servelab.connectors import get_kv_connector
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
 from servelab.pipeline.batch import BatchRuns
 from servelab.pipeline.delivery import OutputDelivery, Tracked, warn_unenforced
@@ -101,6 +102,11 @@ class Pipeline(BatchRuns, OutputDelivery):
             like the registered ones (a ``Scheduler`` subclass), or a ready
             :class:`~servelab.scheduling.SchedulerInterface` object (then its
             ``kv_cache_manager`` and ``config`` are the pipeline's).
+        kv_connector: None, a registered KV connector name
+            (``available_kv_connectors()``: ``"offload"``, ``"pd"``...) or a
+            :class:`~servelab.connectors.KVConnector` object (one per
+            pipeline): KV from outside the pool (a host/disk tier, another
+            pipeline), see :mod:`servelab.connectors`.
         clock: time source for metrics (seconds).
         **settings: flat settings of :class:`PipelineConfig` overriding
             ``config`` (``block_size=8``, ``policy="sjf"``, ``verifier="typical"``...;
@@ -120,11 +126,13 @@ class Pipeline(BatchRuns, OutputDelivery):
     def __init__(self, model: Any, tokenizer: Any = None, *, config: PipelineConfig | None = None,
                  kv_cache_manager: KVCacheManagerProtocol | None = None, sampler: SamplerProtocol | None = None,
                  scheduler: SchedulerInterface | str | Callable[..., SchedulerInterface] = DEFAULT_SCHEDULER,
+                 kv_connector: Any = None,
                  clock: Callable[[], float] = time.perf_counter, **settings: Any) -> None:
         kv_cache_manager = scheduler_kv_cache_manager(scheduler, kv_cache_manager)
         self.config = self._resolve_config(config, settings, kv_cache_manager)
         self._attach_model(model, tokenizer, clock)
         self._build_kv_cache(kv_cache_manager)
+        self.kv_connector = self._bind_kv_connector(kv_connector)
         self._build_scheduler(scheduler)
         self._build_runner(sampler)
         self._tracked: dict[str, Tracked] = {}
@@ -191,6 +199,18 @@ class Pipeline(BatchRuns, OutputDelivery):
             if hasattr(self.kv_caches, "buffer") else 0
         check_attention(model, self.kv_caches.views[0][0])
 
+    def _bind_kv_connector(self, kv_connector: Any) -> Any:
+        """The KV connector (by name or object), bound to this pipeline's manager and paged caches."""
+        if kv_connector is None:
+            return None
+        connector = get_kv_connector(kv_connector)
+        connector.bind_kv_cache_manager(self.kv_cache_manager)
+        num_layers = self.model.config.num_hidden_layers
+        groups = [list(g.layer_indices) for g in self.kv_cache_groups] if self.kv_cache_groups is not None \
+            else [list(range(num_layers))]
+        connector.register_kv_caches(self.kv_caches.views, groups)
+        return connector
+
     def _build_scheduler(self, scheduler: SchedulerInterface | str | Callable[..., SchedulerInterface]) -> None:
         """The scheduler (see ``scheduler`` in the class docstring), with the
         ``SchedulerConfig`` derived from :attr:`config`."""
@@ -202,6 +222,12 @@ class Pipeline(BatchRuns, OutputDelivery):
         own_config = getattr(self.scheduler, "config", None)
         if isinstance(own_config, SchedulerConfig):  # a ready object brings its own limits
             self.scheduler_config = own_config
+        if self.kv_connector is not None:  # its scheduler side runs in the scheduler
+            attach = getattr(self.scheduler, "attach_kv_connector", None)
+            if attach is None:
+                raise ValueError(f"kv_connector needs a scheduler with KV-connector states (servelab's); "
+                                 f"{type(self.scheduler).__name__} has no attach_kv_connector")
+            attach(self.kv_connector)
 
     def _build_runner(self, sampler: SamplerProtocol | None) -> None:
         """Sampler, verifier, drafter, and the model runner that calls them."""
@@ -223,7 +249,7 @@ class Pipeline(BatchRuns, OutputDelivery):
                                   **extra, sampler=self.sampler, drafter=self.drafter, verifier=self.verifier,
                                   num_speculative_tokens=spec.num_speculative_tokens,
                                   max_num_reqs=self.scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id,
-                                  structured=self.structured)
+                                  structured=self.structured, kv_connector=self.kv_connector)
         if self.kv_cache_groups is None:  # one sliding-window spec: its released blocks are nulled in the table
             self.runner.sliding_window = getattr(getattr(self.kv_cache_manager, "spec", None), "sliding_window", None)
 
@@ -374,7 +400,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         step). See the module docstring for what a failing step does."""
         self._apply_all(self._take_pending())  # outputs an interrupted step could not deliver
         self._apply_all(self.scheduler.take_pending_outputs())  # ends the scheduler has not reported yet
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not (
+                self.kv_connector is not None and self.scheduler.has_pending_kv_transfers()):
             return self._take_events()
         start = self.clock()
         try:

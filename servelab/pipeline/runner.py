@@ -48,6 +48,13 @@ scheduler as ``ModelRunnerOutput``. User code that raises, or returns
 something unusable, fails only the requests it was called for
 (``ModelRunnerOutput.errors``; see :mod:`servelab.pipeline.sampling_steps`).
 
+With a KV connector (``kv_connector=``), every step — even one that computes
+nothing — runs the connector's worker side around the forward: metadata
+bound, ``handle_preemptions``, ``start_load_kv``, ``wait_for_layer_load`` per
+layer, the forward, ``save_kv_layer`` per layer, ``wait_for_save``, and
+``get_finished``, whose result goes to the scheduler in
+``ModelRunnerOutput.kv_connector_output`` (see :mod:`servelab.connectors`).
+
 A step that fails or is interrupted outside that (the model forward) is
 undone with :meth:`ModelRunner.rollback`: the step's requests lose their
 rows, and come back in a later ``SchedulerOutput`` as resumed or new.
@@ -132,13 +139,15 @@ class ModelRunner(TreeSteps):
             holding the grammars of constrained requests: their logits rows are
             masked before sampling (drafts included) and their matchers advance
             by the emitted tokens.
+        kv_connector: None, or a :class:`~servelab.connectors.KVConnector`
+            whose worker side runs around each forward.
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, max_model_len: int,
                  sampler: SamplerProtocol | None = None, drafter: Drafter | None = None,
                  verifier: Verifier | str = "rejection",
                  num_speculative_tokens: int = 0, max_num_reqs: int = 64, eos_token_id: int | None = None,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None, kv_connector: Any = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -161,6 +170,7 @@ class ModelRunner(TreeSteps):
         """The window of a single sliding-window KV spec (the pipeline sets it): released blocks are nulled."""
         self.last_verification: list[tuple[int, int]] = []
         """(drafts verified, drafts accepted) per request verified in the last step."""
+        self.kv_connector = kv_connector
         self.prompt_logprobs = PromptLogprobsCollector()
         """Prompt logprobs of requests that ask (:mod:`servelab.pipeline.prompt_logprobs`)."""
 
@@ -213,6 +223,8 @@ class ModelRunner(TreeSteps):
         for rid in [*so.preempted_req_ids, *(rid for rid, _, _ in so.iter_scheduled())]:
             self._detach(rid)
         self.last_verification = []
+        if self.kv_connector is not None:
+            self.kv_connector.clear_connector_metadata()
         for rid, num_tokens in self._grammar_advanced.items():  # the scheduler never saw those tokens
             self.structured.rollback_tokens(rid, num_tokens)
         self._grammar_advanced = {}
@@ -388,12 +400,20 @@ class ModelRunner(TreeSteps):
         self._update_states(so)
         self.last_verification = []
         self._grammar_advanced = {}
+        connector = self.kv_connector
+        if connector is not None:
+            self._connector_before(so)
         if so.is_empty():
+            if connector is not None:
+                if connector.has_pending_work():  # nothing to compute but KV in flight: wait, do not spin
+                    connector.wait_for_any(0.05)
+                return ModelRunnerOutput([], [], kv_connector_output=self._connector_after(so, None))
             return ModelRunnerOutput([], [])
         spec = so.scheduled_spec_decode_tokens
         batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
         input_ids, positions, meta, ends = self._prepare(so, batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        transfers = self._connector_after(so, meta) if connector is not None else None
         if self.prompt_logprobs.pending:  # requests asking for prompt logprobs: their prompt positions' logits
             self.prompt_logprobs.collect(self.model, batch, hidden, ends)
 
@@ -427,4 +447,32 @@ class ModelRunner(TreeSteps):
                     if spec_out is not None:
                         spec_out[i] = []
         any_logprobs = any(lp is not None for lp in logprobs)
-        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs if any_logprobs else None, errors=errors)
+        return ModelRunnerOutput(req_ids, sampled, spec_out, logprobs if any_logprobs else None, errors=errors,
+                                 kv_connector_output=transfers)
+
+    # ---- the KV connector's worker side -------------------------------------------------
+
+    def _layers(self) -> Any:
+        return self.kv_caches.views if hasattr(self.kv_caches, "views") else self.kv_caches
+
+    def _connector_before(self, so: SchedulerOutput) -> None:
+        """Metadata bound; saves of what this forward overwrites; loads started and waited for."""
+        connector, metadata = self.kv_connector, so.kv_connector_metadata
+        if metadata is not None:
+            metadata.started = True
+        connector.bind_connector_metadata(metadata)
+        connector.handle_preemptions(metadata)
+        connector.start_load_kv()
+        for layer in range(len(self._layers())):
+            connector.wait_for_layer_load(layer)
+
+    def _connector_after(self, so: SchedulerOutput, attn_metadata: Any) -> Any:
+        """Saves of this step's KV, then the transfers finished since the last step."""
+        connector = self.kv_connector
+        if attn_metadata is not None:
+            for layer, kv_layer in enumerate(self._layers()):
+                connector.save_kv_layer(layer, kv_layer, attn_metadata)
+        connector.wait_for_save()
+        result = connector.get_finished(set(so.finished_req_ids))
+        connector.clear_connector_metadata()
+        return result

@@ -102,6 +102,8 @@ class SchedulerOutput:
     """Sum over scheduled requests of ``num_computed_tokens + scheduled``: the
     KV positions attention reads this step (what a cost model charges)."""
     step: int = 0
+    kv_connector_metadata: Any = None
+    """The KV connector's per-step metadata (``build_connector_meta``), or None without a connector."""
 
     @property
     def num_reqs(self) -> int:
@@ -146,6 +148,8 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     logprobs: list[Any] | None = None
     errors: dict[str, str] = field(default_factory=dict)
+    kv_connector_output: Any = None
+    """The KV connector's :class:`~servelab.connectors.KVTransferResult` for this step, or None."""
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)

@@ -48,6 +48,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_FAILED = 6
+    WAITING_FOR_REMOTE_KVS = -1
+    """Holding blocks while a KV connector loads its KV (not finished, not queued)."""
 
     @property
     def is_finished(self) -> bool:
@@ -153,7 +155,7 @@ class Request:
         "num_tokens", "num_computed_tokens", "spec_token_ids", "status", "stop_reason", "error", "max_tokens",
         "min_tokens", "stop_token_ids", "block_hashes", "_hasher", "arrival_order", "num_cached_tokens",
         "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "first_scheduled_time", "first_token_time",
-        "token_times", "finish_time", "num_committed_blocks", "kv_capacity",
+        "token_times", "finish_time", "num_committed_blocks", "kv_capacity", "kv_transfer_params",
     )
 
     def __init__(
@@ -219,6 +221,8 @@ class Request:
         # (kv_cache_manager.cache_blocks) since the request last got blocks;
         # it calls cache_blocks again only when computed tokens cover more.
         self.num_committed_blocks = 0
+        self.kv_transfer_params: dict | None = None
+        """What a KV connector returned for this request when it ended (see servelab.connectors)."""
         # Token slots its KV blocks hold, as the scheduler last saw them (blocks x block size; kept
         # only with a KV manager whose held_blocks_cover_slots): a decode that fits skips allocate_slots.
         self.kv_capacity = 0

@@ -67,6 +67,10 @@ Faults, and what they touch:
   scheduler's state is made consistent again: nothing half-applied, no
   request lost, no block leaked.
 
+A KV connector (``kv_connector=``, :mod:`servelab.connectors`) adds external
+prefix hits, the ``WAITING_FOR_REMOTE_KVS`` state, recompute after a failed
+load and delayed frees: see :mod:`servelab.scheduling.connector_states`.
+
 Every request that enters ends with exactly one final ``RequestOutput``
 (``finished=True``): from ``fail_requests`` for the requests it ends,
 otherwise from ``update_from_output``.
@@ -82,6 +86,7 @@ from typing import Any
 from servelab._internal.conformance import check_conforms
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.connector_states import ConnectorStates
 from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
 from servelab.scheduling.output import (
     NewRequestData,
@@ -99,7 +104,7 @@ from servelab.scheduling.transitions import PREEMPTED, RUNNING, WAITING, Request
 _NO_BLOCKS: tuple[int, ...] = ()
 
 
-class Scheduler(RequestTransitions):
+class Scheduler(RequestTransitions, ConnectorStates):
     """Continuous-batching scheduler over one KV cache manager
     (implements :class:`~servelab.scheduling.interfaces.SchedulerInterface`).
 
@@ -115,6 +120,8 @@ class Scheduler(RequestTransitions):
             "priority", "sjf", "vtc"). A policy object serves one scheduler.
         clock: returns the current time in seconds (timestamps, metrics); the
             simulator passes a virtual clock.
+        kv_connector: None, or a :class:`~servelab.connectors.KVConnector`
+            whose scheduler side this scheduler calls.
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class Scheduler(RequestTransitions):
         policy: SchedulingPolicy | str = "fcfs",
         *,
         clock: Callable[[], float] = time.monotonic,
+        kv_connector: Any = None,
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -168,6 +176,7 @@ class Scheduler(RequestTransitions):
         self.num_finished = 0
         self.num_failed = 0
         self.num_aborted = 0
+        self._init_connector(kv_connector)
 
     def _new_waiting_queue(self) -> RequestQueue:
         queue = self.policy.make_waiting_queue()
@@ -187,6 +196,8 @@ class Scheduler(RequestTransitions):
         if rid in self._finished_ids:
             raise ValueError(f"duplicate request id {rid!r}: it just finished and the model runner has not "
                              "been told yet; use a new id or add it after the next schedule()")
+        if rid in self._delayed_free:
+            raise ValueError(f"duplicate request id {rid!r}: its blocks are still held for the KV connector")
         if request.status is not WAITING or request.num_computed_tokens or request.num_output_tokens:
             raise ValueError(f"request {rid!r} was already scheduled ({request!r}); create a new Request")
         if request.num_prompt_tokens > self.config.max_model_len:
@@ -272,6 +283,13 @@ class Scheduler(RequestTransitions):
             total_num_kv_tokens=step.total_kv,
             step=self.num_steps,
         )
+        if self.kv_connector is not None:
+            try:
+                self.in_flight_output.kv_connector_metadata = self.kv_connector.build_connector_meta(
+                    self.in_flight_output)
+            except BaseException:
+                self.rollback_step(self.in_flight_output)
+                raise
         return self.in_flight_output
 
     def _schedule_running(self, step: _Step) -> None:
@@ -347,6 +365,9 @@ class Scheduler(RequestTransitions):
                 if new_blocks is not None:
                     return new_blocks, i, fit
                 running.pop(i)
+                if self._delayed_free or self._waiting_remote:  # blocks a KV connector holds come back
+                    self._preempt(req, step)
+                    return None, i, n
                 self._fail(req, self._no_room_message(req, n))
                 return None, i, n
             victim, error = self._select_victim(req)
@@ -454,6 +475,7 @@ class Scheduler(RequestTransitions):
         waiting = self.waiting
         enable_caching = kv.enable_caching
         hook = self._token_hook
+        connector = self.kv_connector
         while budget > 0 and len(running) < cfg.max_num_seqs:
             try:
                 req = waiting.peek()
@@ -462,6 +484,12 @@ class Scheduler(RequestTransitions):
                 break
             if req is None:
                 break
+            if connector is not None:  # external hits, parking for remote KV (connector_states)
+                used = self._admit_with_connector(step, req, budget)
+                if used is None:
+                    break
+                budget -= used
+                continue
             # A request whose prompt logprobs are incomplete computes its whole prompt (no prefix hit).
             if enable_caching and (req.sampling_params.prompt_logprobs is None
                                    or req.num_tokens > req.num_prompt_tokens):

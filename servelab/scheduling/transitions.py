@@ -40,6 +40,7 @@ STOPPED = RequestStatus.FINISHED_STOPPED
 LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 ABORTED = RequestStatus.FINISHED_ABORTED
 FAILED = RequestStatus.FINISHED_FAILED
+WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _EMPTY: list[int] = []
 
 
@@ -63,6 +64,10 @@ class RequestTransitions:
     num_finished: int
     num_failed: int
     num_aborted: int
+    kv_connector: Any
+    _waiting_remote: dict[str, Request]
+    _settle_kv_step: Callable[[SchedulerOutput, Any], None]
+    _connector_holds_blocks: Callable[[Request], bool]
 
     def _new_waiting_queue(self) -> RequestQueue:
         raise NotImplementedError
@@ -157,6 +162,8 @@ class RequestTransitions:
         tokens: drafts never verified are not counted."""
         self._check_model_output(scheduler_output, model_output)
         self.in_flight_output = None
+        if self.kv_connector is not None:  # loads landed or failed, sends done
+            self._settle_kv_step(scheduler_output, model_output.kv_connector_output)
         req_ids = model_output.req_ids
         sampled = model_output.sampled_token_ids
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -379,7 +386,7 @@ class RequestTransitions:
         self.running = running
         in_running = {id(r) for r in running}
         for req in list(self.requests.values()):
-            if id(req) in in_running:
+            if id(req) in in_running or req.status is WAITING_FOR_REMOTE_KVS:  # a load owns its blocks
                 continue
             if req.status is RUNNING:  # left running without being put back
                 self._roll_back(req, req.request_id in new_ids)
@@ -418,7 +425,8 @@ class RequestTransitions:
         trusted, so every request in it fails and an empty queue replaces it."""
         message = (f"the waiting queue of scheduling policy {self.policy!r} raised "
                    f"{type(exc).__name__}: {exc}; every waiting request failed")
-        stranded = [r for r in self.requests.values() if r.status is not RUNNING]
+        stranded = [r for r in self.requests.values() if r.status is not RUNNING
+                    and r.status is not WAITING_FOR_REMOTE_KVS]  # requeued into the new queue once loaded
         self.waiting = self._new_waiting_queue()
         for req in stranded:
             self._fail(req, message)
@@ -427,6 +435,8 @@ class RequestTransitions:
         """Take an unfinished request out of ``running`` or the waiting queue."""
         if request.status is RUNNING:
             self.running.remove(request)
+        elif request.status is WAITING_FOR_REMOTE_KVS:
+            self._waiting_remote.pop(request.request_id)
         else:
             self.waiting.remove(request)
 
@@ -452,11 +462,15 @@ class RequestTransitions:
     def _finish(self, request: Request, status: RequestStatus, new_token_ids: list[int] = _EMPTY) -> RequestOutput:
         """End ``request`` (out of the queues already) with ``status``; returns
         its final output. The only way out of ``self.requests``."""
-        self.kv_cache_manager.free(request)
+        connector = self.kv_connector
+        if connector is None:
+            self.kv_cache_manager.free(request)
         rid = request.request_id
         del self.requests[rid]
         self._finished_ids.add(rid)
         request.status = status
+        if connector is not None and not self._connector_holds_blocks(request):
+            self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         request.finish_time = self.clock()
         out = RequestOutput(rid, new_token_ids, True, request.finish_reason, request.stop_reason,

@@ -7,7 +7,9 @@ pipeline, records every event, and checks the invariants of the suite:
 - a fault in user code or the model never escapes ``step()`` (an interrupt
   is re-raised; only the engine's own stages may raise an exception);
 - every request ends exactly once (one final event) and its output agrees
-  with its events; a failed request says why;
+  with its events; a failed request says why, and it is one a fired fault
+  could fail (``FaultPlan.may_fail``: the request it was aimed at, or one of
+  the batch call it fired in): no collateral damage;
 - a greedy request's tokens are a prefix of a fresh pipeline's greedy output;
 - once faults stop the pipeline drains to idle, then every KV block but the
   null block is free and nothing is left in the scheduler, the KV cache
@@ -68,14 +70,16 @@ class Driver:
     """A pipeline with every fault seam installed, and its bookkeeping."""
 
     def __init__(self, backend: str = "torch", *, pool_slack: int = 2, max_num_seqs: int = 3, budget: int = 12,
-                 spec: int = 0) -> None:
+                 spec: int = 0, kv_connector=None, extra_args_for=None) -> None:
         self.backend, self.spec = backend, spec
+        self.extra_args_for = extra_args_for  # prompt index -> more SamplingParams.extra_args (connector tests)
         self.plan = FaultPlan()
         longest = LONGEST_PROMPT + MAX_TOKENS + spec
         need = -(-longest // BLOCK_SIZE) + 1  # the longest request alone, plus the null block
         kwargs = dict(block_size=BLOCK_SIZE, num_blocks=need + pool_slack, enable_prefix_caching=True,
                       attention_backend=backend, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max(budget, spec + 1), policy=FaultyPolicy(self.plan))
+                      max_num_batched_tokens=max(budget, spec + 1), policy=FaultyPolicy(self.plan),
+                      kv_connector=kv_connector)
         if spec:
             kwargs.update(drafter=make_drafter(self.plan), num_speculative_tokens=spec,
                           verifier=make_verifier(self.plan))
@@ -92,6 +96,8 @@ class Driver:
 
     def params(self, rid: str, prompt: tuple[int, ...], kind: str, max_tokens: int) -> SamplingParams:
         extra = {"rid": rid}  # lets the logits processor tell rows apart
+        if self.extra_args_for is not None:
+            extra.update(self.extra_args_for(PROMPTS.index(prompt)))
         if kind == "sampled":
             return SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=self.counter, extra_args=extra)
         stop = [stop_string_for(self.backend, prompt)] if kind == "stop" else ()
@@ -155,12 +161,18 @@ class Driver:
         assert out.finish_reason == event.finish_reason, (rid, out.finish_reason, event.finish_reason)
         if out.finish_reason == "error":
             assert out.error, f"{rid} failed without a message"
+            self.check_not_collateral(rid, out.error)
         if asked["kind"] != "sampled":
             want = reference(self.backend, asked["prompt"])[0][: asked["max_tokens"]]
             assert tuple(out.token_ids) == want[: len(out.token_ids)], \
                 f"{rid} ({out.finish_reason}, {out.error}): {out.token_ids} is not a prefix of {want}"
             if out.finish_reason == "length":
                 assert len(out.token_ids) == asked["max_tokens"]
+
+    def check_not_collateral(self, rid: str, error: str) -> None:
+        """A failed request must be in the scope of a fired fault (not a bystander)."""
+        fired = [(f.stage, f.kind, f.target, sorted(f.scope)) for f in self.plan.fired]
+        assert self.plan.may_fail(rid), f"{rid} failed ({error}) but no fired fault could fail it: {fired}"
 
     def check_consistent(self) -> None:
         """Cheap checks valid at any time."""
@@ -185,15 +197,26 @@ class Driver:
                 f"a fault in user code or the model escaped generate(): {exc!r}"
         self.used_prompts.update(prompt_indices)
         if not self.live:
+            self.settle_transfers()
             assert leak_report(self.pipe) == [], leak_report(self.pipe)
         if outs is not None:
             assert len(outs) == len(prompt_indices)
             for i, out in zip(prompt_indices, outs):
                 assert out.finish_reason is not None
+                if out.finish_reason == "error":
+                    self.check_not_collateral(out.request_id, out.error)
                 want = reference(self.backend, PROMPTS[i])[0][:max_tokens]
                 assert tuple(out.token_ids) == want[: len(out.token_ids)], (out.finish_reason, out.error)
                 if out.finish_reason == "length":
                     assert len(out.token_ids) == max_tokens
+
+    def settle_transfers(self) -> None:
+        """Step until a KV connector holds no blocks (leases run out, loads land)."""
+        for _ in range(DRAIN_STEPS):
+            if not self.pipe.scheduler.has_pending_kv_transfers():
+                return
+            self.step()
+        raise AssertionError("KV transfers never settled: blocks held forever")
 
     def drain_and_check(self, probe: int = 0) -> None:
         self.plan.disarm()
@@ -201,6 +224,7 @@ class Driver:
             if not self.pipe.has_unfinished_requests():
                 break
             self.step()
+        self.settle_transfers()
         assert not self.live, f"requests never ended (zombies): {sorted(self.live)[:5]}"
         assert leak_report(self.pipe) == [], leak_report(self.pipe)
         self.check_consistent()
@@ -213,4 +237,5 @@ class Driver:
         fired = [(f.stage, f.kind, f.when) for f in self.plan.fired]
         assert tuple(out[0].token_ids) == reference(self.backend, prompt)[0], \
             f"after faults {fired} the greedy output differs from a fresh pipeline's (poisoned cache)"
+        self.settle_transfers()
         assert leak_report(self.pipe) == [], leak_report(self.pipe)

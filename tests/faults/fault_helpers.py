@@ -27,6 +27,14 @@ A fault is ``"error"`` (a ``RuntimeError`` whose message starts with
 Per-request seams fire only when the armed target request is among the
 requests of the call (``target=None``: any call). Requests carry their id in
 ``SamplingParams.extra_args["rid"]`` so the logits processor can tell rows apart.
+
+A fired fault records its **blast radius** (``Fault.scope``): the requests it
+may fail. A fault aimed at a request may fail that request only; an unaimed
+one, the requests of the call it fired in. Calls made for a whole batch
+(``forward``, ``verifier``, ``policy_victim`` — the victim is chosen on behalf
+of one of the running requests) may fail any request of the batch. The driver
+checks that every request ending with ``"error"`` is in the scope of a fired
+fault (:meth:`FaultPlan.may_fail`): a fault never fails a bystander.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ ENGINE_STAGES = frozenset({"schedule", "allocate", "stop"})
 # add_request / generate by contract (the request leaves no trace).
 QUEUEING_STAGES = frozenset({"policy_key"})
 SPEC_STAGES = frozenset({"verifier", "drafter"})
+# Calls made for a batch: a fault there may fail any request of the call, aimed or not.
+BATCH_STAGES = frozenset({"forward", "verifier", "policy_victim"})
 
 
 class InjectedError(RuntimeError):
@@ -61,6 +71,7 @@ class Fault:
     kind: str  # "error" | "interrupt"
     target: str | None = None  # request id, or None: the next call
     when: str = "before"  # schedule/forward: "before" or "after" the real call
+    scope: frozenset[str] = frozenset()  # once fired: the requests it may fail
 
     def exception(self) -> BaseException:
         if self.kind == "interrupt":
@@ -74,6 +85,8 @@ class FaultPlan:
 
     armed: dict[str, Fault] = field(default_factory=dict)
     fired: list[Fault] = field(default_factory=list)
+    # The requests of the step in flight (set by ``instrument``): the scope of a batch call.
+    batch_ids: Any = field(default=lambda: ())
 
     def arm(self, fault: Fault) -> None:
         if fault.stage not in STAGES:
@@ -83,16 +96,30 @@ class FaultPlan:
     def disarm(self) -> None:
         self.armed.clear()
 
-    def check(self, stage: str, request_ids: Iterable[str] = (), when: str = "before") -> None:
-        """Raise the fault armed at ``stage`` (once) if it applies to this call."""
+    def check(self, stage: str, request_ids: Iterable[str] = (), when: str = "before",
+              call_ids: Iterable[str] | None = None) -> None:
+        """Raise the fault armed at ``stage`` (once) if it applies to this call.
+
+        ``request_ids``: the requests the call is for (decides whether an aimed
+        fault fires); ``call_ids``: the requests the call affects when they are
+        not given as ``request_ids`` (the batch of a forward, the request being
+        delivered). Together they give the fault's ``scope``."""
         fault = self.armed.get(stage)
         if fault is None or fault.when != when:
             return
-        if fault.target is not None and fault.target not in set(request_ids):
+        request_ids = set(request_ids)
+        if fault.target is not None and fault.target not in request_ids:
             return
+        affected = request_ids | set(call_ids or ())
+        aimed = fault.target is not None and stage not in BATCH_STAGES
+        fault.scope = frozenset({fault.target}) if aimed else frozenset(affected)
         del self.armed[stage]
         self.fired.append(fault)
         raise fault.exception()
+
+    def may_fail(self, request_id: str) -> bool:
+        """True if a fired fault's scope holds ``request_id`` (it may end with "error")."""
+        return any(request_id in f.scope for f in self.fired)
 
 
 def rid_of(params: Any) -> str | None:
@@ -132,7 +159,10 @@ class RaisingProcessor:
         self.plan = plan
 
     def apply(self, logits: Any, metadata: Any) -> Any:
-        self.plan.check("sampler", [rid_of(p) for p in metadata.params])
+        rids = [rid_of(p) for p in metadata.params]
+        # Requests added by generate() carry no rid: their scope is the step's batch.
+        self.plan.check("sampler", [r for r in rids if r is not None],
+                        call_ids=self.plan.batch_ids() if None in rids else None)
         return logits
 
 
@@ -146,7 +176,7 @@ def make_verifier(plan: FaultPlan) -> Any:
         name = "faulty-rejection"
 
         def verify(self, draft_token_ids, num_draft_tokens, target_probs, draft_probs, *, greedy, generators):
-            plan.check("verifier")
+            plan.check("verifier", call_ids=plan.batch_ids())
             return inner.verify(draft_token_ids, num_draft_tokens, target_probs, draft_probs, greedy=greedy,
                                 generators=generators)
 
@@ -172,13 +202,16 @@ def make_drafter(plan: FaultPlan) -> Any:
 
 
 class FaultyTokenizer:
-    """Delegates to a tokenizer; ``decode`` raises when the ``detokenize`` stage is armed."""
+    """Delegates to a tokenizer; ``decode`` raises when the ``detokenize`` stage is armed.
+    ``delivering`` names the request whose output is being delivered (set by
+    :func:`instrument`): the one a raising ``decode`` fails."""
 
     def __init__(self, inner: Any, plan: FaultPlan) -> None:
         self._inner, self._plan = inner, plan
+        self.delivering: list[str] = []
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:
-        self._plan.check("detokenize")
+        self._plan.check("detokenize", call_ids=self.delivering)
         return self._inner.decode(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -188,20 +221,43 @@ class FaultyTokenizer:
         return len(self._inner)
 
 
-def _wrap(obj: Any, method: str, plan: FaultPlan, stage: str, ids_of=None, after: bool = False) -> None:
+def _wrap(obj: Any, method: str, plan: FaultPlan, stage: str, ids_of=None, after: bool = False,
+          call_ids_of=None) -> None:
     """Replace ``obj.method`` (instance attribute) by a wrapper checking ``stage``."""
     real = getattr(obj, method)
 
     @functools.wraps(real)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         ids = ids_of(*args, **kwargs) if ids_of else ()
-        plan.check(stage, ids, "before")
+        call_ids = call_ids_of() if call_ids_of else None
+        plan.check(stage, ids, "before", call_ids)
         result = real(*args, **kwargs)
         if after:
-            plan.check(stage, ids, "after")
+            plan.check(stage, ids, "after", call_ids)
         return result
 
     setattr(obj, method, wrapper)
+
+
+def in_flight_ids(pipe: Any) -> list[str]:
+    """The requests of the step being executed (the batch of a forward or a verifier call)."""
+    out = getattr(pipe.scheduler, "in_flight_output", None)
+    return list(out.num_scheduled_tokens) if out is not None else []
+
+
+def _track_delivery(pipe: Any) -> None:
+    """Wrap ``pipe._apply`` so the tokenizer knows whose output is being delivered."""
+    real, tokenizer = pipe._apply, pipe.tokenizer
+
+    @functools.wraps(real)
+    def apply(out: Any) -> Any:
+        tokenizer.delivering[:] = [out.request_id]
+        try:
+            return real(out)
+        finally:
+            tokenizer.delivering.clear()
+
+    pipe._apply = apply
 
 
 def instrument(pipe: Any, plan: FaultPlan) -> None:
@@ -209,14 +265,17 @@ def instrument(pipe: Any, plan: FaultPlan) -> None:
     _wrap(pipe.scheduler, "schedule", plan, "schedule", after=True)
     _wrap(pipe.kv_cache_manager, "allocate_slots", plan, "allocate",
           ids_of=lambda request, *a, **k: [request.request_id])
-    _wrap(pipe.model, "forward", plan, "forward", after=True)
+    plan.batch_ids = lambda: in_flight_ids(pipe)
+    _wrap(pipe.model, "forward", plan, "forward", after=True, call_ids_of=plan.batch_ids)
     _wrap(pipe.scheduler, "finish_request", plan, "stop", ids_of=lambda rid, *a, **k: [rid])
+    if isinstance(pipe.tokenizer, FaultyTokenizer):
+        _track_delivery(pipe)
 
 
 def uninstrument(pipe: Any) -> None:
     """Remove the instance-level wrappers (the model is shared between pipelines)."""
     for obj, method in ((pipe.scheduler, "schedule"), (pipe.kv_cache_manager, "allocate_slots"),
-                        (pipe.model, "forward"), (pipe.scheduler, "finish_request")):
+                        (pipe.model, "forward"), (pipe.scheduler, "finish_request"), (pipe, "_apply")):
         obj.__dict__.pop(method, None)
 
 

@@ -74,6 +74,7 @@ def build_scheduler(
     policy: str = "fcfs",
     reserve_full_prompt: bool = False,
     log_stats: bool = False,
+    kv_transfer_config=None,
 ):
     """A vLLM v1 scheduler (``scheduler_cls``, default vLLM's own ``Scheduler``) over
     ``num_blocks`` KV blocks of ``block_size`` tokens, on the CPU.
@@ -83,7 +84,8 @@ def build_scheduler(
     ``scheduler_reserve_full_isl`` (admit only when the whole prompt fits);
     off by default here because servelab's scheduler admits on the first
     chunk. ``num_blocks`` counts vLLM's null block (block 0), as servelab's
-    pool does.
+    pool does. ``kv_transfer_config``: a vLLM ``KVTransferConfig`` (a KV
+    connector; its scheduler side runs in the scheduler).
     """
     _init_hashing()
     model_config = ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True, dtype="float32", seed=0,
@@ -96,7 +98,8 @@ def build_scheduler(
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=enable_prefix_caching)
     cache_config.num_gpu_blocks = num_blocks
-    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
+    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
+                             kv_transfer_config=kv_transfer_config)
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=64,
                                                       dtype=torch.float32))])
