@@ -392,6 +392,12 @@ class Pipeline(BatchRuns, OutputDelivery):
             del self._tracked[request_id]
         return tracked.output
 
+    def _kv_transfers_pending(self) -> bool:
+        # Only a scheduler with KV-connector states (attach_kv_connector succeeded) has transfers.
+        if self.kv_connector is None:
+            return False
+        return bool(getattr(self.scheduler, "has_pending_kv_transfers")())
+
     # ---- one step ------------------------------------------------------------------
 
     def step(self) -> list[StreamEvent]:
@@ -400,8 +406,7 @@ class Pipeline(BatchRuns, OutputDelivery):
         step). See the module docstring for what a failing step does."""
         self._apply_all(self._take_pending())  # outputs an interrupted step could not deliver
         self._apply_all(self.scheduler.take_pending_outputs())  # ends the scheduler has not reported yet
-        if not self.scheduler.has_unfinished_requests() and not (
-                self.kv_connector is not None and self.scheduler.has_pending_kv_transfers()):
+        if not self.scheduler.has_unfinished_requests() and not self._kv_transfers_pending():
             return self._take_events()
         start = self.clock()
         try:
