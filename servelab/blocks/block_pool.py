@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from servelab._internal.validation import check_bool, check_int
+from servelab.blocks.events import KVEventPublisher
 from servelab.blocks.eviction import get_eviction_policy
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.hashing import BlockHash
@@ -95,6 +96,8 @@ class BlockPool:
         self._on_hit = getattr(policy, "on_hit", None)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # KV-cache events (servelab.blocks.events): None = off, nothing recorded.
+        self.kv_event_publisher: KVEventPublisher | None = None
 
     # ---- allocation -----------------------------------------------------
 
@@ -141,6 +144,9 @@ class BlockPool:
                                f"evict({num_evict})")
         blocks = queue.popleft_n(queue._len)
         index = self.cached_block_hash_to_block
+        publisher = self.kv_event_publisher
+        if publisher is not None:
+            publisher.removed([block.block_hash for block in victims])
         for block in victims:
             del index[block.block_hash]
             block.block_hash = None
@@ -272,9 +278,18 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] | None = None,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        group_idx: int | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under
         ``block_hashes`` at the same positions.
+
+        ``token_ids`` (the request's tokens), ``block_size``, ``lora_name`` and
+        ``group_idx`` are read only when KV events are on
+        (``kv_event_publisher``): they fill the ``BlockStored`` event of the
+        blocks this call makes findable.
 
         ``blocks`` and ``block_hashes`` are one request's block list and hash
         list (position i of both covers tokens ``[i*bs, (i+1)*bs)``); the
@@ -316,6 +331,9 @@ class BlockPool:
                 del index[blocks[i].block_hash]
                 blocks[i].block_hash = None
             raise TypeError(f"block_hashes must hold bytes, got {type(block_hashes[i]).__name__}") from None
+        publisher = self.kv_event_publisher
+        if publisher is not None and added:
+            publisher.stored(block_hashes, added, token_ids, block_size, lora_name, group_idx)
         on_cached = self._on_cached
         if on_cached is not None and added:
             for i in added:
@@ -339,6 +357,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.cleared()
         return True
 
     def ref_counts(self) -> list[int]:

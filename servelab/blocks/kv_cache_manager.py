@@ -42,11 +42,12 @@ blocks and raises otherwise.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
+from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_fields, make_publisher
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.interfaces import EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
@@ -79,7 +80,7 @@ def _request_id(request: object) -> str:
     return request_id
 
 
-class KVCacheManager:
+class KVCacheManager(KVEventSource):
     """Blocks of one KV-cache spec, shared by all requests.
 
     Args:
@@ -98,6 +99,11 @@ class KVCacheManager:
             it must have ``num_blocks`` blocks and the same ``enable_caching``,
             hold no blocks and belong to no other manager. Its eviction policy
             is its own (``eviction_policy`` must then be left None).
+        kv_events: publish KV-cache events (:mod:`servelab.blocks.events`):
+            ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, batched
+            per step by :meth:`publish_kv_events`. Off by default (zero cost).
+        kv_event_subscribers: a callable ``f(batch)`` or several; giving one
+            turns events on. More can be added with :meth:`subscribe_kv_events`.
     """
 
     def __init__(
@@ -110,8 +116,11 @@ class KVCacheManager:
         watermark: float = 0.0,
         eviction_policy: str | EvictionPolicy | None = None,
         block_pool: BlockPool | None = None,
+        kv_events: bool = False,
+        kv_event_subscribers: Iterable[KVEventSubscriber] | KVEventSubscriber | None = None,
     ) -> None:
         manager_cls = manager_class_for(spec)
+        publisher = make_publisher(kv_events, kv_event_subscribers)
         check_bool("enable_caching", enable_caching)
         if enable_caching and not manager_cls.supports_prefix_caching:
             raise ValueError(
@@ -138,6 +147,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._pool: BlockPool | None = None
         self._take_pool(block_pool, num_blocks, manager_cls)
+        if publisher is not None:
+            block_pool.kv_event_publisher = publisher
 
     # ---- the pool ----------------------------------------------------------
 
@@ -175,6 +186,8 @@ class KVCacheManager:
                              "a pool is handed over with every block free")
         if self._pool is not None:
             self._pool._owner = None
+            if self._pool.kv_event_publisher is not None:  # the events follow the manager
+                pool.kv_event_publisher, self._pool.kv_event_publisher = self._pool.kv_event_publisher, None
         pool._owner = weakref.ref(self)
         self._pool = pool
         self._manager = manager_cls(self.spec, pool)
@@ -381,7 +394,11 @@ class KVCacheManager:
             hashes = request.block_hashes
             num_full = min(num_full, len(hashes))
             if num_full > num_cached:
-                self._pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                pool = self._pool
+                if pool.kv_event_publisher is None:
+                    pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                else:
+                    pool.cache_full_blocks(held, hashes, num_cached, num_full, *event_fields(request, block_size))
                 self._num_cached_blocks[request_id] = num_full
 
     def _cache_blocks_error(self, request: KVCacheRequest, num_computed_tokens: int,

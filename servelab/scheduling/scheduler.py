@@ -156,6 +156,8 @@ class Scheduler(RequestTransitions):
                             else None)
         # Commit after compute: update_from_output indexes computed blocks.
         self._cache_blocks = kv_cache_manager.cache_blocks if kv_cache_manager.enable_caching else None
+        # KV-cache events (servelab.blocks.events): one batch per step, after the commit.
+        self._publish_kv_events = getattr(kv_cache_manager, "publish_kv_events", None)
         self.num_steps = 0
         self.in_flight_output: SchedulerOutput | None = None
         """The last ``schedule()`` output not yet settled by ``update_from_output`` or
