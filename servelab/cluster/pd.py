@@ -8,10 +8,13 @@ from one prefill replica queue behind each other (first come, first served),
 each taking ``kv_latency_s + bytes * 8 / (kv_bandwidth_gbps * 1e9)`` seconds.
 When it arrives, the decode replica must find memory for it: until
 ``allocate_slots`` succeeds the request waits (vLLM's
-``WAITING_FOR_REMOTE_KVS``), retried after each of that replica's steps. The
-received blocks are written into the decode replica's prefix cache, so its
-scheduler admits the request with the whole prompt cached (the tokens of a
-last partial block, and the first output token, are computed there).
+``WAITING_FOR_REMOTE_KVS``), retried after each of that replica's steps, in
+arrival order. The received blocks are written into the decode replica's
+prefix cache (most recently used, so evicted last) and the request joins its
+scheduler, which admits it with the prompt cached (the tokens of a last
+partial block, and the first output token, are computed there). Under memory
+pressure the scheduler may evict them before admission, and the decode
+replica then recomputes the prompt, as a real one would have to.
 
 KV bytes per token come from the model's KV spec: ``num_layers x K and V x
 num_kv_heads x head_size x dtype size`` (:func:`kv_bytes_per_token`).

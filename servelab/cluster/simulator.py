@@ -58,7 +58,7 @@ _NOTHING: list[int] = []
 
 
 class _Placeholder:
-    """Holds a transferred prompt's blocks on a decode replica until its request is admitted."""
+    """A transferred prompt as the decode replica's KV manager sees it while its blocks are written."""
 
     __slots__ = ("request_id", "num_tokens", "num_computed_tokens", "block_hashes")
 
@@ -82,7 +82,6 @@ class _Replica:
         self.kv_usage: list[float] = []
         self.routed = 0
         self.remote_wait: list[Request] = []  # decode halves whose KV arrived, waiting for memory
-        self.holds: dict[str, _Placeholder] = {}
         self.link_free = 0.0  # prefill replicas: when the outgoing KV link is idle again
 
     def state(self, request: RouteRequest) -> ReplicaState:
@@ -196,6 +195,7 @@ class _Loop:
         self.trace_of: dict[str, TraceRequest] = {}
         self.imbalance_sum, self.imbalance_n = 0.0, 0
         self.prefill_part: dict[str, RequestMetrics] = {}
+        self.num_kv_waits = 0  # transfers that found no memory on arrival
 
     # ---- the loop ----------------------------------------------------------------
 
@@ -272,8 +272,6 @@ class _Loop:
         if not sched.requests:
             return
         out = sched.schedule()
-        if rep.holds:
-            self._release_holds(rep)
         if out.num_scheduled_tokens:
             rep.busy, rep.in_flight = True, out
             end = self.clock.now + self.cost.step_time(out.total_num_scheduled_tokens, out.total_num_kv_tokens)
@@ -331,6 +329,8 @@ class _Loop:
     def _kv_arrived(self, dest: _Replica, decode: Request) -> _Replica:
         dest.remote_wait.append(decode)
         self._admit_waiting(dest)
+        if dest.remote_wait and dest.remote_wait[-1] is decode:
+            self.num_kv_waits += 1
         return dest
 
     def _admit_waiting(self, rep: _Replica) -> None:
@@ -350,18 +350,9 @@ class _Loop:
                     continue
                 return
             rep.remote_wait.pop(0)
-            kv.cache_blocks(hold, n)
-            if self._add(rep, decode):
-                rep.holds[decode.request_id] = hold
-            else:
-                kv.free(hold)
-
-    def _release_holds(self, rep: _Replica) -> None:
-        """Free the transferred blocks of requests the scheduler has admitted (they hold them now)."""
-        requests = rep.sched.requests
-        for rid in [rid for rid, _ in rep.holds.items()
-                    if rid not in requests or requests[rid].status is not RequestStatus.WAITING]:
-            rep.kv.free(rep.holds.pop(rid))
+            kv.cache_blocks(hold, n)  # the KV is written: the blocks join the prefix cache ...
+            kv.free(hold)  # ... and are released to it, most recently used: the request's admission hits them
+            self._add(rep, decode)
 
 
 def _join(prefill: RequestMetrics, decode: RequestMetrics) -> RequestMetrics:
@@ -387,6 +378,6 @@ def _result(loop: _Loop, router: str | Router, router_obj: Router, policy: str, 
     imbalance = loop.imbalance_sum / loop.imbalance_n if loop.imbalance_n else 1.0
     pd_fields = {} if pd is None else {
         "prefill": pd.prefill_replicas, "decode": pd.decode_replicas, "bandwidth_gbps": pd.kv_bandwidth_gbps,
-        "latency_s": pd.kv_latency_s, "bytes_per_token": loop.bytes_per_token}
+        "latency_s": pd.kv_latency_s, "bytes_per_token": loop.bytes_per_token, "kv_waits": loop.num_kv_waits}
     return ClusterResult(name, cluster, per, imbalance, [r.routed for r in loop.reps], [r.role for r in loop.reps],
                          pd_fields, wall)
