@@ -14,6 +14,8 @@ take seconds on one CPU core.
 - :mod:`.metrics`: ``SimulationResult`` (TTFT, ITL, TPOT, e2e, throughput,
   goodput, prefix hit rate, preemptions, KV usage, per-client service).
 - :mod:`.report`: a text table, a CSV and a matplotlib figure.
+- :mod:`.traces`: ``load_trace``: real traces (Mooncake with its prefix-block
+  hashes, Azure), from a file or a shipped trace's name.
 
 Example::
 
@@ -26,6 +28,7 @@ from servelab.scheduling.simulator.cost_model import StepCostModel
 from servelab.scheduling.simulator.engine import ENGINES, VirtualClock, compare_policies, simulate
 from servelab.scheduling.simulator.metrics import ClientStats, LatencySummary, SimulationResult
 from servelab.scheduling.simulator.report import format_client_table, format_table, plot_results, write_csv
+from servelab.scheduling.simulator.traces import SHIPPED_TRACES, BlockTokens, Trace, load_trace
 from servelab.scheduling.simulator.workload import (
     LengthDist,
     TraceRequest,
@@ -36,7 +39,7 @@ from servelab.scheduling.simulator.workload import (
 )
 
 __all__ = [
-    "ENGINES", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult", "StepCostModel", "TraceRequest",
-    "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
-    "generate_workload", "load_trace_csv", "plot_results", "simulate", "validate_trace", "write_csv",
+    "ENGINES", "SHIPPED_TRACES", "BlockTokens", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult",
+    "StepCostModel", "Trace", "TraceRequest", "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
+    "generate_workload", "load_trace", "load_trace_csv", "plot_results", "simulate", "validate_trace", "write_csv",
 ]

@@ -107,7 +107,7 @@ def simulate(
     clock = VirtualClock(requests[0].arrival_time if requests else 0.0)
     sched = Scheduler(config, kv, policy_obj, clock=clock)
 
-    pending = _build_requests(requests)  # built up front: their construction is not the scheduler's cost
+    pending = sorted(requests, key=lambda r: r.arrival_time)
     wall_start = time.perf_counter()
     finished, steps, kv_times, kv_usage = _run(sched, kv, pending, clock, cost, max_steps)
     wall = time.perf_counter() - wall_start
@@ -118,20 +118,23 @@ def simulate(
                                    "rate": getattr(workload, "rate", math.nan)})
 
 
-def _build_requests(requests: Sequence[TraceRequest]) -> list[Request]:
-    """The trace's requests as scheduler ``Request``s, in arrival order (params shared per ``max_tokens``)."""
-    params_of: dict[int, SamplingParams] = {}
-    pending: list[Request] = []
-    for r in sorted(requests, key=lambda r: r.arrival_time):
-        params = params_of.get(r.max_tokens)
+class _RequestFactory:
+    """Builds the scheduler ``Request`` of a trace request when it arrives (a long real
+    trace's prompts exist as lists only while live); ``SamplingParams`` are shared per
+    ``max_tokens``."""
+
+    def __init__(self) -> None:
+        self._params: dict[int, SamplingParams] = {}
+
+    def __call__(self, r: TraceRequest) -> Request:
+        params = self._params.get(r.max_tokens)
         if params is None:
-            params = params_of[r.max_tokens] = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
-        pending.append(Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
-                               priority=r.priority, client_id=r.client_id))
-    return pending
+            params = self._params[r.max_tokens] = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+        return Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
+                       priority=r.priority, client_id=r.client_id)
 
 
-def _run(sched: Scheduler, kv: KVCacheManager, pending: list[Request], clock: VirtualClock,
+def _run(sched: Scheduler, kv: KVCacheManager, pending: list[TraceRequest], clock: VirtualClock,
          cost: StepCostModel, max_steps: int | None) -> tuple[list, int, list[float], list[float]]:
     """The event loop: admit arrivals, step (one fake token per finished
     computation), advance the virtual clock by the cost model. Returns
@@ -143,9 +146,10 @@ def _run(sched: Scheduler, kv: KVCacheManager, pending: list[Request], clock: Vi
     nothing: list[int] = []
     next_arrival, total = 0, len(pending)
     steps = 0
+    build = _RequestFactory()
     while next_arrival < total or live:
         while next_arrival < total and pending[next_arrival].arrival_time <= clock.now:
-            request = pending[next_arrival]
+            request = build(pending[next_arrival])
             next_arrival += 1
             try:
                 sched.add_request(request)

@@ -66,11 +66,16 @@ class LengthDist:
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request of a workload."""
+    """One request of a workload.
+
+    ``prompt_token_ids`` is any sequence of token ids: a list, or a compact
+    one (a ``range``, a :class:`.traces.BlockTokens`) for long real traces; the
+    simulator makes a list of it only while the request is live.
+    """
 
     request_id: str
     arrival_time: float
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
     max_tokens: int
     client_id: str = "default"
     priority: int = 0
