@@ -15,6 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from servelab.cli.sweep import add_sweep_parser, run_sweep_command
+
 EPILOG = """\
 examples:
   servelab demo                          the pipeline on the embedded tiny Llama
@@ -23,6 +25,7 @@ examples:
   servelab simulate --policy fcfs,sjf    scheduling policies on a simulated trace
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
   servelab blocks                        the KV block layer alone under load
+  servelab sweep SPEC.toml [--executor ray]  a grid of cluster simulations (routers, replicas, rates)
 """
 
 USAGE_ERROR = 2
@@ -313,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--tpot-slo", type=_positive_float, default=0.1, help="seconds, for goodput")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
+    add_sweep_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate}
+    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "sweep": run_sweep_command}
     if args.command not in commands:
         parser.print_help()
         return 0

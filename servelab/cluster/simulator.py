@@ -147,7 +147,7 @@ def simulate_cluster(
                  kv_bytes_per_token(kv_spec, num_layers) if pd is not None and pd.kv_bytes_per_token is None
                  else (pd.kv_bytes_per_token if pd is not None else 0), enable_prefix_caching)
     wall = time.perf_counter()
-    loop.run(_build_requests(requests, pd is not None))
+    loop.run(sorted(requests, key=lambda r: r.arrival_time), _RequestFactory(pd is not None))
     wall = time.perf_counter() - wall
     return _result(loop, router, router_obj, policy, pd, ttft_slo_s, tpot_slo_s, wall, num_blocks, block_size)
 
@@ -166,18 +166,22 @@ def _replica_roles(replicas: int | None, pd: PD | None) -> tuple[int, list[str]]
     return replicas, ["both"] * replicas
 
 
-def _build_requests(requests: Sequence[TraceRequest], prefill_only: bool) -> list[tuple[Request, TraceRequest]]:
-    """Scheduler requests in arrival order (with P/D: the prefill half, one output token)."""
-    params_of: dict[int, SamplingParams] = {}
-    out = []
-    for r in sorted(requests, key=lambda r: r.arrival_time):
-        n = 1 if prefill_only else r.max_tokens
-        params = params_of.get(n)
+class _RequestFactory:
+    """The scheduler ``Request`` of a trace request, built at its arrival (a real
+    trace's prompts are lists only while live); with P/D, the prefill half (one
+    output token). ``SamplingParams`` are shared per ``max_tokens``."""
+
+    def __init__(self, prefill_only: bool) -> None:
+        self.prefill_only = prefill_only
+        self._params: dict[int, SamplingParams] = {}
+
+    def __call__(self, r: TraceRequest) -> Request:
+        n = 1 if self.prefill_only else r.max_tokens
+        params = self._params.get(n)
         if params is None:
-            params = params_of[n] = SamplingParams(max_tokens=n, ignore_eos=True)
-        out.append((Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
-                            priority=r.priority, client_id=r.client_id), r))
-    return out
+            params = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True)
+        return Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
+                       priority=r.priority, client_id=r.client_id)
 
 
 class _Loop:
@@ -199,11 +203,11 @@ class _Loop:
 
     # ---- the loop ----------------------------------------------------------------
 
-    def run(self, pending: list[tuple[Request, TraceRequest]]) -> None:
+    def run(self, pending: list[TraceRequest], build: _RequestFactory) -> None:
         heap, clock = self.heap, self.clock
         i, n = 0, len(pending)
         while i < n or heap:
-            t_arrival = pending[i][0].arrival_time if i < n else math.inf
+            t_arrival = pending[i].arrival_time if i < n else math.inf
             kick: set[_Replica] = set()
             if heap and heap[0][0] < t_arrival:
                 t, _, kind, obj = heapq.heappop(heap)
@@ -215,8 +219,8 @@ class _Loop:
                     kick.add(self._kv_arrived(*obj))
             else:
                 clock.now = t_arrival
-                while i < n and pending[i][0].arrival_time <= t_arrival:
-                    kick.add(self._route(*pending[i]))
+                while i < n and pending[i].arrival_time <= t_arrival:
+                    kick.add(self._route(build(pending[i]), pending[i]))
                     i += 1
             for rep in kick:
                 if not rep.busy:
