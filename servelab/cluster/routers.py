@@ -11,9 +11,13 @@
   of SGLang's cache-aware router).
 - ``consistent_hash``: a hash ring over the hash of the request's first
   ``prefix_blocks`` blocks (``virtual_nodes`` points per replica): the same
-  prefix always lands on the same replica without any cache state (the
-  llm-d / SGLang "prefix hash" style); requests shorter than one block go by
-  load.
+  prefix lands on the same replica without any cache state (the llm-d /
+  SGLang "prefix hash" style), with bounded loads: a replica whose
+  outstanding tokens exceed ``load_factor`` x the mean (plus one request's
+  tokens) is passed over for the next one on the ring, so one hot prefix (a
+  system prompt every request shares) cannot put all the work on one replica.
+  ``load_factor=None`` turns the bound off. Requests shorter than one block
+  go by load.
 """
 
 from __future__ import annotations
@@ -85,9 +89,10 @@ class ConsistentHashRouter:
 
     name = "consistent_hash"
 
-    def __init__(self, prefix_blocks: int = 4, virtual_nodes: int = 64) -> None:
+    def __init__(self, prefix_blocks: int = 4, virtual_nodes: int = 64, load_factor: float | None = 1.25) -> None:
         self.prefix_blocks = check_int("prefix_blocks", prefix_blocks, min_value=1)
         self.virtual_nodes = check_int("virtual_nodes", virtual_nodes, min_value=1)
+        self.load_factor = None if load_factor is None else check_number("load_factor", load_factor, min_value=1.0)
         self._ring: list[int] = []
         self._owner: list[int] = []
         self._num_replicas = 0
@@ -107,5 +112,14 @@ class ConsistentHashRouter:
             return _least_loaded(replicas)
         key = hashes[min(self.prefix_blocks, len(hashes)) - 1]  # chained: names the whole prefix
         point = int.from_bytes(key[:8], "big")
-        pos = bisect.bisect_left(self._ring, point) % len(self._ring)
-        return self._owner[pos]
+        ring, owner = self._ring, self._owner
+        pos = bisect.bisect_left(ring, point) % len(ring)
+        if self.load_factor is None:
+            return owner[pos]
+        cap = self.load_factor * sum(r.outstanding_tokens for r in replicas) / len(replicas) \
+            + request.num_prompt_tokens + request.max_tokens
+        for step in range(len(ring)):  # clockwise to the first replica under the bound
+            i = owner[(pos + step) % len(ring)]
+            if replicas[i].outstanding_tokens <= cap:
+                return i
+        return owner[pos]

@@ -68,6 +68,12 @@ def test_prefix_affinity_prefers_the_longest_cached_prefix_within_the_load_cap()
 def test_consistent_hash_is_stable_per_prefix_and_spreads_prefixes():
     r = get_router("consistent_hash", prefix_blocks=2)
     reps = states([0] * 4)
+    hot = choose(r, RouteRequest("x", [0] * 16, [b"a", b"b"], 4, 1), reps)
+    loads = [0] * 4
+    loads[hot] = 10_000
+    assert choose(r, RouteRequest("x", [0] * 16, [b"a", b"b"], 4, 1), states(loads)) != hot, "bounded load"
+    unbounded = get_router("consistent_hash", prefix_blocks=2, load_factor=None)
+    assert choose(unbounded, RouteRequest("x", [0] * 16, [b"a", b"b"], 4, 1), states(loads)) == hot
     same = {choose(r, RouteRequest("x", [0] * 16, [b"a", b"b", bytes([i])], 4, 1), reps) for i in range(20)}
     assert len(same) == 1, "the same first two blocks must map to the same replica"
     spread = {choose(r, RouteRequest("x", [0] * 8, [b"a", hashlib.sha256(bytes([i])).digest()], 4, 1), reps)
