@@ -47,7 +47,7 @@ from collections.abc import Iterable, Sequence
 
 from servelab._internal.validation import check_bool, check_int
 from servelab.blocks.events import KVEventPublisher
-from servelab.blocks.eviction import get_eviction_policy
+from servelab.blocks.eviction import LRUEvictionPolicy, get_eviction_policy
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.hashing import BlockHash
 from servelab.blocks.interfaces import EvictionPolicy
@@ -91,6 +91,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.eviction_policy = policy
+        # The built-in LRU policy (a free queue): touch/free link its blocks inline (same order as its methods).
+        self._lru = policy if type(policy) is LRUEvictionPolicy else None
         # Optional hooks, looked up once: policies without them cost nothing.
         self._on_cached = getattr(policy, "on_cached", None)
         self._on_hit = getattr(policy, "on_hit", None)
@@ -192,6 +194,8 @@ class BlockPool:
         Raises ValueError, changing nothing, if a block is already free or is
         listed more often than it is referenced."""
         blocks = self._own(blocks, "blocks", held=True)
+        if self._lru is not None:
+            return self._free_lru(blocks)
         queue, push = self.free_queue, self.eviction_policy.push
         it = iter(blocks)  # what is left of it tells how far an undo must go
         for block in it:
@@ -213,6 +217,39 @@ class BlockPool:
                         self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
                         raise
 
+    def _free_lru(self, blocks: list[KVCacheBlock]) -> None:
+        """``free_blocks`` with the built-in LRU policy: the queue links inlined
+        (empty blocks to the free queue's head, cached ones to the LRU tail)."""
+        queue, lru = self.free_queue, self._lru
+        head, tail = queue._head, lru._tail
+        num_empty = num_cached = 0
+        for k, block in enumerate(blocks):
+            ref = block.ref_cnt
+            if ref > 1:
+                block.ref_cnt = ref - 1
+                continue
+            if block.is_null:
+                continue
+            if ref <= 0:  # listed more often than referenced
+                queue._len += num_empty
+                lru._len += num_cached
+                self._undo_free(blocks[:k])
+                raise ValueError(f"block {block.block_id} is listed more times than it is referenced; "
+                                 "each reference may be freed once")
+            block.ref_cnt = 0
+            if block.block_hash is None:
+                first = head.next_free
+                block.prev_free, block.next_free = head, first
+                head.next_free = first.prev_free = block
+                num_empty += 1
+            else:
+                last = tail.prev_free
+                block.prev_free, block.next_free = last, tail
+                last.next_free = tail.prev_free = block
+                num_cached += 1
+        queue._len += num_empty
+        lru._len += num_cached
+
     def _undo_free(self, done: list[KVCacheBlock]) -> None:
         """Give back the references ``free_blocks`` dropped from ``done``
         (newest first, so the free queue's links come back exactly)."""
@@ -231,6 +268,8 @@ class BlockPool:
         """Take one more reference on each block (a prefix hit), taking free
         ones out of the free set so they cannot be evicted while in use."""
         blocks = self._own(blocks, "blocks")
+        if self._lru is not None:
+            return self._touch_lru(blocks)
         queue, policy = self.free_queue, self.eviction_policy
         it = iter(blocks)
         try:
@@ -256,6 +295,26 @@ class BlockPool:
             for block in blocks:
                 if block.block_hash is not None and not block.is_null:
                     on_hit(block)
+
+    def _touch_lru(self, blocks: list[KVCacheBlock]) -> None:
+        """``touch`` with the built-in LRU policy: free blocks unlinked inline
+        (the null block, always at ref_cnt 0, is skipped)."""
+        num_empty = num_cached = 0
+        for block in blocks:
+            ref = block.ref_cnt
+            if ref == 0:
+                if block.is_null:
+                    continue
+                prev, nxt = block.prev_free, block.next_free
+                prev.next_free, nxt.prev_free = nxt, prev
+                block.prev_free = block.next_free = None
+                if block.block_hash is None:
+                    num_empty += 1
+                else:
+                    num_cached += 1
+            block.ref_cnt = ref + 1
+        self.free_queue._len -= num_empty
+        self._lru._len -= num_cached
 
     def _make_free(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
