@@ -23,6 +23,7 @@ clipped at 32,768 tokens. KV bytes per token for P/D: 512 KiB (32 layers x
 Usage::
 
     python bench/cluster_routing.py --part routing --num-requests 2000 --jobs 2
+    python bench/cluster_routing.py --part routing --num-requests 2000 --num-blocks 32768  # 16x cache
     python bench/cluster_routing.py --part pd --num-requests 600 --jobs 2
     python bench/cluster_routing.py --part speed
 """
@@ -55,11 +56,12 @@ def trace_point(num_requests: int, **extra) -> dict:
     return {"trace": "mooncake_conversation", "max_requests": num_requests, **REPLICA, **extra}
 
 
-def routing(num_requests: int, jobs: int) -> list[dict]:
-    points = [trace_point(num_requests, replicas=4, router=r) for r in ROUTERS]
+def routing(num_requests: int, jobs: int, num_blocks: int) -> list[dict]:
+    points = [trace_point(num_requests, replicas=4, router=r, num_blocks=num_blocks) for r in ROUTERS]
     results = run_sweep(points, jobs=jobs)
     rows = []
-    params = {"trace": "mooncake_conversation", "num_requests": num_requests, "replicas": 4, **REPLICA}
+    params = {"trace": "mooncake_conversation", "num_requests": num_requests, "replicas": 4, **REPLICA,
+              "num_blocks": num_blocks}
     for res in results:
         print(f"{res['router']:>16}: hit {res['prefix_hit_rate']:.3f}  TTFT p50 {res['ttft_p50']:.2f}s "
               f"p90 {res['ttft_p90']:.2f}s  TPOT p90 {res['tpot_p90'] * 1e3:.1f}ms  imbalance "
@@ -150,11 +152,13 @@ def main() -> int:
     parser.add_argument("--part", choices=["routing", "pd", "speed"], required=True)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--replicas", type=int, default=8, help="speed part only")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="routing part: KV blocks (of 64 tokens) per replica (default 2048: 131k tokens)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     if args.part == "routing":
-        rows = routing(args.num_requests or 2000, args.jobs)
+        rows = routing(args.num_requests or 2000, args.jobs, args.num_blocks or REPLICA["num_blocks"])
     elif args.part == "pd":
         rows = pd(args.num_requests or 600, args.jobs)
     else:
