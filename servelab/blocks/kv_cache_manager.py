@@ -260,6 +260,19 @@ class KVCacheManager(KVEventSource):
             check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
+        if not num_new_computed_tokens and not new_computed_blocks and not self._manager.releases_blocks:
+            # Fast path (most decode steps): the held blocks already have every slot.
+            held = self.req_to_blocks.get(getattr(request, "request_id", None))
+            computed = getattr(request, "num_computed_tokens", None)
+            if held and type(computed) is int and computed >= 0:
+                num_slots = computed + num_new_tokens
+                max_len = self.max_model_len
+                if max_len is None or num_slots <= max_len:  # else the full path raises
+                    num_slots += num_lookahead_tokens
+                    if max_len is not None and num_slots > max_len:
+                        num_slots = max_len
+                    if num_slots <= len(held) * self.block_size:
+                        return []
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
         hit = self._check_hit(request_id, held, num_new_computed_tokens, new_computed_blocks)
