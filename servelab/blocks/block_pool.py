@@ -120,12 +120,24 @@ class BlockPool:
         if type(num_blocks) is not int or num_blocks < 0:
             check_int("num_blocks", num_blocks, min_value=0)
         queue = self.free_queue
-        if num_blocks <= queue._len:
-            blocks = queue.popleft_n(num_blocks)
-        else:
+        if num_blocks > queue._len:
             blocks = self._get_with_eviction(num_blocks)
-        for block in blocks:
-            block.ref_cnt = 1
+            for block in blocks:
+                block.ref_cnt = 1
+            return blocks
+        # The free queue's popleft_n, inlined, taking the reference in the same pass.
+        blocks = []
+        head = queue._head
+        node = head.next_free
+        for _ in range(num_blocks):
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node.ref_cnt = 1
+            blocks.append(node)
+            node = nxt
+        head.next_free = node
+        node.prev_free = head
+        queue._len -= num_blocks
         return blocks
 
     def _get_with_eviction(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -193,9 +205,18 @@ class BlockPool:
 
         Raises ValueError, changing nothing, if a block is already free or is
         listed more often than it is referenced."""
-        blocks = self._own(blocks, "blocks", held=True)
         if self._lru is not None:
+            if type(blocks) is not list:
+                blocks = list(blocks)
+            mine = self.blocks
+            try:  # _own(held=True), inlined for the common case
+                for b in blocks:
+                    if mine[b.block_id] is not b or b.ref_cnt <= 0:
+                        self._check_held(b, "blocks")
+            except (AttributeError, IndexError, TypeError):
+                self._own(blocks, "blocks", held=True)  # raises the TypeError naming the argument
             return self._free_lru(blocks)
+        blocks = self._own(blocks, "blocks", held=True)
         queue, push = self.free_queue, self.eviction_policy.push
         it = iter(blocks)  # what is left of it tells how far an undo must go
         for block in it:
