@@ -44,6 +44,11 @@ block boundary into that block, and blocks older than the previous boundary
 are released (a sliding window of ``block_size + 1`` tokens). With caching off
 a Mamba group holds its single state block.
 
+**Admission** (vLLM's cap, :func:`~servelab.blocks.specs.request_blocks_cap`):
+a sliding group holds at most the window plus one chunk, so a request alone
+in the pool runs in smaller chunks when one would not fit
+(:meth:`HybridKVCacheManager.max_chunk_alone`).
+
 **Per-group block ids.** ``get_computed_blocks`` returns a tuple of per-group
 block lists, ``allocate_slots`` returns a tuple of per-group new blocks, and
 ``get_block_ids(request)`` returns a tuple of per-group block-id lists (group
@@ -77,7 +82,7 @@ from servelab.blocks.single_type import (
     SlidingWindowManager,
     manager_class_for,
 )
-from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, max_chunk_alone
 
 __all__ = ["GroupBlockHashes", "HybridKVCacheManager", "KVCacheGroup", "MambaStateManager",
            "make_kv_cache_groups", "unify_page_sizes"]
@@ -312,6 +317,15 @@ class HybridKVCacheManager(KVEventSource):
     @property
     def usage(self) -> float:
         return self._pool.usage
+
+    def max_chunk_alone(self, request: KVCacheRequest, num_new_tokens: int) -> int:
+        """The largest chunk ``<= num_new_tokens`` with which ``request``, alone in
+        the pool, reaches all its tokens by chunked prefill (0: never here; see
+        :func:`~servelab.blocks.specs.max_chunk_alone`). The scheduler asks it
+        before refusing a request that has the pool to itself."""
+        check_int("num_new_tokens", num_new_tokens, min_value=0)
+        total = check_int("request.num_tokens", request.num_tokens, min_value=0)
+        return max_chunk_alone([m.spec for m in self._managers], total, self.num_blocks - 1, num_new_tokens)
 
     def group_hashes(self, request: KVCacheRequest, group_id: int) -> GroupBlockHashes:
         """The request's block hashes as group ``group_id`` indexes them."""

@@ -225,3 +225,39 @@ class MambaSpec(KVCacheSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         self._check_max_model_len(max_model_len)
         return self.page_size_bytes
+
+
+# ---- how many blocks a request holds under chunked prefill (vLLM's cap: sizes its pool and admits) ----
+
+def request_blocks_cap(spec: KVCacheSpec, num_tokens: int, tokens_in_flight: int) -> int:
+    """Most blocks one request of ``num_tokens`` tokens ever holds for ``spec``
+    when at most ``tokens_in_flight`` of its tokens are computed per step: a
+    sliding window ``cdiv(min(window - 1 + tokens_in_flight, num_tokens),
+    block_size) + 1`` (a chunk's first token sees ``window - 1`` before it;
+    ``+ 1`` for a window not starting on a block boundary; never more than
+    the full count), a Mamba state 1, anything else ``cdiv(num_tokens, block_size)``."""
+    full = cdiv(num_tokens, spec.block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        return min(full, cdiv(min(spec.sliding_window - 1 + tokens_in_flight, num_tokens), spec.block_size) + 1)
+    if isinstance(spec, MambaSpec):
+        return 1 if num_tokens > 0 else 0
+    return full
+
+
+def blocks_needed_alone(specs: list[KVCacheSpec], num_tokens: int, tokens_in_flight: int) -> int:
+    """Blocks of a shared pool (one per group in ``specs``) one request needs at most."""
+    return sum(request_blocks_cap(spec, num_tokens, tokens_in_flight) for spec in specs)
+
+
+def max_chunk_alone(specs: list[KVCacheSpec], num_tokens: int, usable_blocks: int, max_chunk: int) -> int:
+    """The largest chunk ``c <= max_chunk`` with ``blocks_needed_alone(specs,
+    num_tokens, c) <= usable_blocks`` (bisection: the need grows with the
+    chunk); 0 when not even one token per step fits."""
+    lo, hi = 0, max_chunk
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks_needed_alone(specs, num_tokens, mid) <= usable_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

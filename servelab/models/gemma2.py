@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab.models.config import ModelConfig
+from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RotaryEmbedding, apply_rotary
 from servelab.models.llama import LlamaForCausalLM, _StepAttention, layer_attentions
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
@@ -211,3 +211,31 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
+
+
+def gemma2_config_from_hf(hf: Any, generation_config: Any = None) -> ModelConfig:
+    """:class:`ModelConfig` for a ``gemma2`` transformers config (registered as
+    ``Gemma2ForCausalLM``): GeGLU (``gelu_pytorch_tanh``), positive soft-caps or
+    null, a positive ``query_pre_attn_scalar``; the shared fields as Qwen2's
+    (``layer_types`` says which layers slide). The model reads the soft-caps
+    and the scalar from ``hf_config``."""
+    check_gemma_features(hf)
+    return derived_config(hf, generation_config, replace=_GEMMA_STAND_INS)
+
+
+# Gemma features the Llama reader would refuse, replaced by neutral stand-ins once checked.
+_GEMMA_STAND_INS = {"hidden_act": "silu", "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+def check_gemma_features(hf: Any) -> None:
+    """``ValueError`` for a Gemma config field this decoder does not compute as HF does."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden_activation={act!r} is not supported for {hf.model_type}; only 'gelu_pytorch_tanh'")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = getattr(hf, name, None)
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a positive number or null")
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    if not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"query_pre_attn_scalar={scalar!r} must be a positive number")

@@ -12,9 +12,10 @@ gives the weights ``Q4_1`` rounding produced, computed in float32 (or the
 
 What is accepted, checked from the file's header before anything is loaded:
 
-- ``general.architecture`` in :data:`GGUF_ARCHITECTURES` (``llama`` and
-  ``qwen2``); any other raises ``ValueError`` with the architecture and the
-  supported list. llama.cpp writes Mistral models (7B v0.1-v0.3...) as
+- ``general.architecture`` one a registered architecture accepts
+  (:func:`~servelab.models.registry.gguf_architectures`: ``llama``,
+  ``qwen2``, ``gemma3``); any other raises ``ValueError`` with the
+  architecture and the supported list. llama.cpp writes Mistral models (7B v0.1-v0.3...) as
   ``llama``: they load as Llama, which computes the same thing, since GGUF
   records no sliding window. (transformers' reader turns a file whose
   ``general.name`` is exactly ``"mistral"`` into a Mistral config it then
@@ -40,14 +41,15 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# general.architecture values we run (transformers maps them to model_type).
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+from servelab.models.registry import gguf_architectures
+
 INSTALL_HINT = 'pip install "servelab[gguf]"'
 # Used when the installed gguf package does not expose its dequantizer table.
 _FALLBACK_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -151,9 +153,9 @@ def check_gguf(file: str | Path) -> GGUFInfo:
         size = file.stat().st_size if file.exists() else None
         raise ValueError(f"cannot read GGUF file {str(file)!r} ({size} bytes): {exc}") from exc
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in gguf_architectures():
         raise ValueError(f"GGUF file {file.name!r} has general.architecture={arch!r}, which is not supported; "
-                         f"supported: {', '.join(GGUF_ARCHITECTURES)} (llama.cpp also writes Mistral as 'llama')")
+                         f"supported: {', '.join(gguf_architectures())} (llama.cpp also writes Mistral as 'llama')")
     supported = set(supported_gguf_types())
     types: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -235,6 +237,51 @@ def convert_gguf(file: str | Path, out: str | Path) -> Path:
     ``generation_config.json`` (BOS / pad and every EOS id of the header) and
     the tokenizer files with the chat template. Returns ``out``.
     """
+    with _one_reader():
+        return _convert(file, out)
+
+
+@contextmanager
+def _one_reader() -> Iterator[None]:
+    """Within the block, a GGUF file is parsed as few times as transformers allows.
+
+    The header check, transformers' config, weights and tokenizer each open
+    the file, and parsing a large vocabulary's metadata (Gemma 3: 262,144
+    tokens, in Python) takes seconds per open: every ``gguf.GGUFReader(path)``
+    of the same file is one reader, and transformers' metadata-only
+    ``load_gguf_checkpoint(path, return_tensors=False)`` is computed once
+    (each caller gets its own copy). Both are looked up at call time by their
+    callers, so patching the module attributes reaches them; they are
+    restored on exit."""
+    import copy
+
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    original_reader, original_load, readers, metadata = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, {}, {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = original_reader(path, mode)
+        return readers[key]
+
+    def shared_load(path: Any, return_tensors: bool = False, **kwargs: Any) -> Any:
+        if return_tensors or kwargs:
+            return original_load(path, return_tensors=return_tensors, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in metadata:
+            metadata[key] = original_load(path, return_tensors=False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, shared_load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original_reader, original_load
+
+
+def _convert(file: str | Path, out: str | Path) -> Path:
     info = check_gguf(file)
     load_gguf_config(info.file)  # refuse what servelab cannot run before the slow part
     hf = _hf_model(info.file)

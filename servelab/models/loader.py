@@ -32,6 +32,7 @@ from servelab.blocks.layout import KVCacheBuffers, allocate_kv_cache
 from servelab.blocks.specs import FullAttentionSpec, SlidingWindowSpec
 from servelab.models.config import ModelConfig, load_config
 from servelab.models.llama import LlamaForCausalLM
+from servelab.models.registry import model_class_for
 
 INDEX_FILE = "model.safetensors.index.json"
 # HF projection name -> (fused parameter, which part).
@@ -217,9 +218,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     device = torch.device(device)
     dtype = _resolve_model_dtype(dtype) if dtype is not None else _default_dtype(config, device)
     # Build on the meta device: no time spent initializing weights we overwrite.
-    from servelab.models.qwen3 import model_class_for  # Llama, Qwen2, Mistral, Qwen3, Gemma 2
-
-    model = model_class_for(config)(config, attention, dtype=dtype, device="meta")
+    model = model_class_for(config)(config, attention, dtype=dtype, device="meta")  # the registry's class
     model = model.to_empty(device=device)
     if gguf_file is None:
         load_weights(model, path)

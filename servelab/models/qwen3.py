@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from servelab.models.config import ModelConfig
+from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RMSNorm, apply_rotary
 from servelab.models.llama import LlamaAttention, LlamaForCausalLM, _StepAttention
 
@@ -52,58 +52,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
             layer.self_attn = Qwen3Attention(config, i, dtype=dtype, device=device)
 
 
-def config_from_hf(hf: Any, generation_config: Any = None) -> ModelConfig:
-    """:class:`ModelConfig` for a ``gemma2`` or ``qwen3`` transformers config.
-
-    The shared fields are validated by :meth:`ModelConfig.from_hf` on a copy
-    presented as Qwen2 (same ``layer_types`` rule for sliding layers); the
-    family's own features are then checked here and the copy's stand-ins
-    undone (``arch``, biases, ``hf_config`` = the original config, which the
-    model reads for soft-caps and ``query_pre_attn_scalar``).
-    """
-    import copy
-    import dataclasses
-
-    model_type = getattr(hf, "model_type", None)
-    if model_type not in ("gemma2", "qwen3"):
-        raise ValueError(f"model_type={model_type!r}: config_from_hf handles 'gemma2' and 'qwen3'")
-    proxy = copy.deepcopy(hf)
-    object.__setattr__(proxy, "model_type", "qwen2")
-    proxy.architectures = None
-    if model_type == "gemma2":
-        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"hidden_activation={act!r} is not supported for gemma2; only 'gelu_pytorch_tanh'")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            value = getattr(hf, name, None)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive number or null")
-            setattr(proxy, name, None)
-        scalar = getattr(hf, "query_pre_attn_scalar", None)
-        if not isinstance(scalar, (int, float)) or scalar <= 0:
-            raise ValueError(f"query_pre_attn_scalar={scalar!r} must be a positive number")
-        proxy.hidden_act = "silu"
-    for name in ("architectures",):
-        for arch in getattr(hf, name, None) or []:
-            expected = "Gemma2ForCausalLM" if model_type == "gemma2" else "Qwen3ForCausalLM"
-            if arch != expected:
-                raise ValueError(f"architectures={hf.architectures!r} is not supported for "
-                                 f"model_type={model_type!r}; expected [{expected!r}]")
-    if getattr(proxy, "mlp_bias", False):
-        raise ValueError(f"mlp_bias=True is not supported for model_type={model_type!r}")
-    from servelab.models.config import ModelConfig
-
-    config = ModelConfig.from_hf(proxy, generation_config)
-    bias = bool(getattr(hf, "attention_bias", False))
-    return dataclasses.replace(config, arch=model_type, qkv_bias=bias, o_bias=bias, hf_config=hf)
-
-
-def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The decoder class for ``config.arch``."""
-    if config.arch == "gemma2":
-        from servelab.models.gemma2 import Gemma2ForCausalLM
-
-        return Gemma2ForCausalLM
-    if config.arch == "qwen3":
-        return Qwen3ForCausalLM
-    return LlamaForCausalLM
+def qwen3_config_from_hf(hf: Any, generation_config: Any = None) -> ModelConfig:
+    """:class:`ModelConfig` for a ``qwen3`` transformers config (registered as
+    ``Qwen3ForCausalLM``): the shared fields as Qwen2's (same ``layer_types``
+    rule for sliding layers), q/k/v and o biased together by ``attention_bias``."""
+    return derived_config(hf, generation_config)

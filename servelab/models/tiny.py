@@ -1,4 +1,4 @@
-"""``build_tiny_model``: a random tiny Llama / Qwen2 / Mistral checkpoint, HF format, no network.
+"""``build_tiny_model``: a random tiny checkpoint of any registered architecture, HF format, no network.
 
 The folder it writes is what a real checkpoint looks like to both servelab
 and transformers: ``config.json`` (saved by the transformers config class),
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from servelab.models.registry import architecture_for, supported_model_types
 from servelab.models.tokenizer import build_tiny_tokenizer
 
 # A tied head reads the residual stream with the embedding matrix itself, so
@@ -32,11 +33,6 @@ from servelab.models.tokenizer import build_tiny_tokenizer
 # Shrinking tied embeddings weakens that bias; the final norm is scaled up by
 # the same factor so logits keep their O(1) spread.
 EMB_SCALE_TIED = 0.25
-_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-}
 # Per-arch defaults on top of the shared tiny shape. Qwen2 ties its
 # embeddings (like Qwen2-0.5B) and Llama/Mistral do not, so the default trio
 # covers both; Mistral's window is small enough for short test prompts to pass it.
@@ -47,24 +43,44 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
-    """The transformers config object ``build_tiny_model`` would save (nothing written)."""
-    import transformers
+# Llama-family model types: their weights are drawn by random_weights (other
+# families get transformers' own modules, re-drawn with the same scales).
+_LLAMA_FAMILY = ("llama", "qwen2", "mistral")
+# A small window for families that slide, so short test prompts pass it.
+TINY_WINDOW = 16
 
-    if arch not in _ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; valid: {', '.join(_ARCHS)}")
-    config_cls = getattr(transformers, _ARCHS[arch][0])
+
+def _architecture_name(arch: str) -> str:
+    """The first registered HF architecture serving model_type ``arch``."""
+    if arch not in supported_model_types():
+        raise ValueError(f"arch={arch!r} is not supported; valid: {', '.join(supported_model_types())}")
+    from transformers import AutoConfig
+
+    return architecture_for(AutoConfig.for_model(arch)).name
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
+    """The transformers config object ``build_tiny_model`` would save (nothing written).
+
+    ``arch`` is a registered ``model_type`` (:func:`~servelab.models.supported_model_types`);
+    the config class is transformers' for it, ``architectures`` its registered name."""
+    from transformers import AutoConfig
+
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        architectures=[_ARCHS[arch][1]], dtype="float32",
+        architectures=[_architecture_name(arch)], dtype="float32",
     )
-    kwargs.update(_ARCH_DEFAULTS[arch])
+    kwargs.update(_ARCH_DEFAULTS.get(arch, {}))
+    if arch not in _LLAMA_FAMILY:  # the family's own RoPE bases (Gemma 3: one per layer type)
+        del kwargs["rope_theta"]
+        if getattr(AutoConfig.for_model(arch), "sliding_window", None):
+            kwargs["sliding_window"] = TINY_WINDOW
     kwargs.update(overrides)
     if arch == "qwen2" and kwargs.get("sliding_window") is not None and "use_sliding_window" not in overrides:
         kwargs["use_sliding_window"] = True  # asking Qwen2 for a window means using it
-    return config_cls(**kwargs)
+    return AutoConfig.for_model(arch, **kwargs)
 
 
 def _tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -124,6 +140,32 @@ def random_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _random_module_weights(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded float32 weights for any transformers causal LM ``cfg`` (names and
+    shapes from transformers' own module), drawn with ``random_weights``' scales:
+    matrices ``1/sqrt(fan_in)``, biases ``0.1``, norms their neutral value
+    (0 for Gemma's ``1 + w``, 1 otherwise) plus ``0.1`` noise."""
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{cfg.model_type}:{seed}".encode()))
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(cfg)
+    weights = {}
+    for name, param in module.state_dict().items():
+        shape = tuple(param.shape)
+        if "norm" in name:
+            neutral = 0.0 if cfg.model_type.startswith("gemma") else 1.0
+            tensor = neutral + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            tensor = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            tensor = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        weights[name] = tensor.contiguous()
+    if getattr(cfg, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
 def save_weights(weights: dict[str, torch.Tensor], path: str | Path, num_shards: int = 1) -> None:
     """Write ``weights`` as ``model.safetensors``, or ``num_shards`` shards plus the HF index."""
     from safetensors.torch import save_file
@@ -156,8 +198,9 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, *, nu
 
     Args:
         path: folder to create (or fill).
-        arch: ``"llama"``, ``"qwen2"`` (q/k/v bias, tied embeddings) or
-            ``"mistral"`` (sliding window 16).
+        arch: a registered ``model_type``: ``"llama"``, ``"qwen2"`` (q/k/v
+            bias, tied embeddings), ``"mistral"`` (sliding window 16),
+            ``"qwen3"``, ``"gemma2"``, ``"gemma3_text"`` (windows of 16)...
         seed: weights are a function of ``(arch, config, seed)`` only.
         num_shards: >1 writes sharded safetensors with an index file.
         tokenizer_vocab_size: BPE vocabulary size to train (>= 259).
@@ -173,8 +216,7 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, *, nu
     """
     from transformers import GenerationConfig
 
-    if arch not in _ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; valid: {', '.join(_ARCHS)}")
+    _architecture_name(arch)  # refuses an arch no registered architecture serves
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = build_tiny_tokenizer(folder, vocab_size=tokenizer_vocab_size)
@@ -183,7 +225,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, *, nu
         raise ValueError(f"vocab_size={requested!r} must be an int >= the tokenizer's {vocab} tokens")
     cfg = tiny_config(arch, vocab_size=requested, **config_overrides)
     cfg.save_pretrained(str(folder))
-    save_weights(random_weights(cfg, seed), folder, num_shards)
+    weights = random_weights(cfg, seed) if arch in _LLAMA_FAMILY else _random_module_weights(cfg, seed)
+    save_weights(weights, folder, num_shards)
     GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                      pad_token_id=cfg.pad_token_id).save_pretrained(str(folder))
     return folder

@@ -12,15 +12,27 @@ abort), then in the output.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
+from servelab.pipeline.prompt_logprobs import render_prompt_logprobs
+from servelab.samplers.structured.validation import schema_violations
 from servelab.scheduling import Request, RequestMetrics, RequestOutput, RequestStatus
 
-__all__ = ["OutputDelivery", "Tracked"]
+__all__ = ["OutputDelivery", "Tracked", "warn_unenforced"]
+
+
+def warn_unenforced(request_id: str, unenforced: Sequence[str]) -> None:
+    """One warning naming the schema keywords the grammar backend will not enforce for a request."""
+    if unenforced:
+        warnings.warn(f"request {request_id!r}: the grammar backend does not enforce {len(unenforced)} keyword(s) "
+                      f"of its JSON schema, so a finished output may violate them: {'; '.join(unenforced)} "
+                      "(StructuredOutputsParams(validate=True) checks each finished output)",
+                      UserWarning, stacklevel=4)
 
 
 @dataclass
@@ -105,6 +117,7 @@ class OutputDelivery:
         if out.logprobs is not None:
             result.logprobs = (result.logprobs or []) + list(out.logprobs)[: len(new)]
         result.token_ids += new
+        self._take_prompt_logprobs(result)
         if stop is not None:
             metrics = out.metrics or tracked.request.metrics()
             n = len(result.token_ids)
@@ -118,12 +131,22 @@ class OutputDelivery:
             result.text += text
             self._events.append(StreamEvent(out.request_id, result.index, new, text))
 
+    def _take_prompt_logprobs(self, result: GenerationOutput) -> None:
+        """Move a request's prompt logprobs from the runner to its output, once they are complete."""
+        pending = self.runner.prompt_logprobs.finished
+        if pending and result.request_id in pending:
+            result.prompt_logprobs = render_prompt_logprobs(pending.pop(result.request_id), self.tokenizer)
+
     def _finish(self, tracked: Tracked, reason: str, metrics: RequestMetrics | None, new: list[int], text: str,
                 *, stop_reason: Any = None, error: str | None = None) -> None:
         result = tracked.output
         result.text += text
         result.finish_reason, result.stop_reason, result.error, result.metrics = reason, stop_reason, error, metrics
         tracked.done = True
+        self._take_prompt_logprobs(result)
+        grammar = getattr(getattr(tracked.request, "sampling_params", None), "structured_outputs", None)
+        if reason == "stop" and grammar is not None and grammar.validate:
+            result.structured_violations = schema_violations(grammar, result.text)
         self.runner.remove_request(result.request_id)  # its row and draft blocks, now rather than next step
         self.structured.remove_request(result.request_id)
         if metrics is not None:

@@ -16,8 +16,9 @@ layers. With ``kv_cache_groups="auto"`` (the default,
   shared by the ``j``-th layer of every group (a block belongs to one group
   at a time, so they never collide): ``num_blocks * page_size_bytes *
   group_size`` bytes whatever the mix. The default pool size
-  (:func:`default_num_blocks_hybrid`) spends the same bytes as the uniform
-  cache would.
+  (:func:`default_num_blocks_hybrid`) is what ``max_num_seqs`` requests can
+  hold (a sliding group: the window plus one chunk, vLLM's cap), within the
+  bytes the uniform cache would spend.
 - **per-group step metadata** (:class:`HybridModelRunner`): one persistent
   block table per group; each step a slot mapping and a block table per
   group, handed to the model as a
@@ -48,10 +49,11 @@ from servelab.blocks import (
     layer_views,
     make_kv_cache_groups,
 )
+from servelab.blocks.specs import request_blocks_cap
 from servelab.models import GroupedAttentionMetadata
 from servelab.models.metadata import AttentionMetadata
-from servelab.pipeline.runner import CachedRequestState, ModelRunner
-from servelab.pipeline.sizing import default_num_blocks
+from servelab.pipeline.runner import CachedRequestState, ModelRunner, null_released_blocks
+from servelab.pipeline.sizing import default_kv_cache_budget
 
 __all__ = ["HybridModelRunner", "allocate_group_kv_caches", "build_hybrid_kv_cache_manager",
            "default_num_blocks_hybrid", "layer_kv_cache_specs", "wants_kv_cache_groups"]
@@ -72,17 +74,39 @@ def wants_kv_cache_groups(setting: str, model: Any) -> bool:
     return setting == "auto" and len(set(getattr(model.config, "sliding_windows", (None,)))) > 1
 
 
-def default_num_blocks_hybrid(groups: Sequence[KVCacheGroup], num_layers: int, **sizing: Any) -> int:
-    """The default pool for ``groups``: the bytes the uniform rule
-    (:func:`~servelab.pipeline.sizing.default_num_blocks` over all
-    ``num_layers`` layers) would spend, as blocks of ``group_size`` pages:
-    ``(n - 1) * num_groups + 1`` for the uniform ``n``."""
-    uniform = default_num_blocks(groups[0].spec, num_layers, **sizing)
-    return (uniform - 1) * len(groups) + 1
+def default_num_blocks_hybrid(groups: Sequence[KVCacheGroup], num_layers: int, *, max_model_len: int,
+                              max_num_seqs: int, num_speculative_tokens: int = 0,
+                              max_num_batched_tokens: int | None = None, kv_cache_memory_bytes: int | None = None,
+                              model: Any = None, device: torch.device | str = "cpu") -> int:
+    """The default pool for ``groups`` (null block included): the uniform
+    rule (:mod:`~servelab.pipeline.sizing`) with a hybrid request's real need.
+
+    - **What the run can use**: ``max_num_seqs`` requests, each holding at
+      most :func:`~servelab.blocks.specs.request_blocks_cap` blocks per
+      group for ``max_model_len`` (+ drafts) tokens computed
+      ``max_num_batched_tokens`` at a time (a sliding group: the window
+      plus one chunk, vLLM's cap; the admission rule uses the same cap).
+    - **The budget**: the bytes the uniform cache would spend
+      (``kv_cache_memory_bytes`` or the default budget), as blocks of
+      ``group_size`` pages.
+    """
+    first = groups[0].spec
+    tokens = max_model_len + num_speculative_tokens
+    in_flight = tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    per_seq = sum(request_blocks_cap(g.spec, tokens, in_flight) for g in groups)
+    wanted = max_num_seqs * per_seq + 1
+    if kv_cache_memory_bytes is None:
+        per_token = -(-first.page_size_bytes * num_layers // first.block_size)
+        kv_cache_memory_bytes = default_kv_cache_budget(model, bytes_per_token=per_token, max_model_len=tokens,
+                                                        device=device)
+    group_size = max(len(g.layer_indices) for g in groups) or -(-num_layers // len(groups))
+    affordable = int(kv_cache_memory_bytes) // (first.page_size_bytes * group_size)
+    return max(min(wanted, affordable), 2)
 
 
 def build_hybrid_kv_cache_manager(cache: Any, model: Any, max_model_len: int, *, max_num_seqs: int,
-                                  num_speculative_tokens: int) -> HybridKVCacheManager:
+                                  num_speculative_tokens: int,
+                                  max_num_batched_tokens: int | None = None) -> HybridKVCacheManager:
     """A :class:`~servelab.blocks.HybridKVCacheManager` for ``model``'s layer kinds,
     sized by ``cache`` (a :class:`~servelab.config.CacheConfig`)."""
     groups = make_kv_cache_groups(layer_kv_cache_specs(model, cache.block_size, model.dtype))
@@ -90,8 +114,8 @@ def build_hybrid_kv_cache_manager(cache: Any, model: Any, max_model_len: int, *,
     if num_blocks is None:
         num_blocks = default_num_blocks_hybrid(
             groups, model.config.num_hidden_layers, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            num_speculative_tokens=num_speculative_tokens, kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-            model=model, device=model.device)
+            num_speculative_tokens=num_speculative_tokens, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes, model=model, device=model.device)
     return HybridKVCacheManager(groups, num_blocks, cache.enable_prefix_caching, max_model_len=max_model_len,
                                 eviction_policy=cache.eviction_policy)
 
@@ -130,12 +154,15 @@ def allocate_group_kv_caches(groups: Sequence[KVCacheGroup], num_layers: int, nu
     hybrid manager's rule).
 
     Not zero-filled (the null block 0 is), as the single-group cache. A
-    sliding group's table row keeps the ids of blocks its window released
-    (the scheduler reports no releases), and another request may own them
-    meanwhile, not yet written; that is safe because the attention backends
-    never let a slot outside the window reach a result (masked loads or
-    ``where``, not ``0 * value``), which the tests check by filling every
-    block but the null one with NaN."""
+    block a sliding group released may belong to another request meanwhile
+    and hold anything (NaN, inf); a request never reads it, because
+    :class:`HybridModelRunner` puts the null block in the table wherever
+    the window released one (as the manager's own row does), so every
+    block a table names is the request's own or the zero-filled null block.
+    The backends mask the out-of-window slots of those (the torch
+    reference multiplies probabilities by V: only finite values may sit
+    under its mask), which the tests check by filling released blocks,
+    re-owned by another request, with NaN and +-inf."""
     pages = {g.spec.page_size_bytes for g in groups}
     if len(pages) != 1:
         raise ValueError(f"KV-cache groups have pages of {sorted(pages)} bytes; one shared buffer needs equal pages")
@@ -167,8 +194,12 @@ class HybridModelRunner(ModelRunner):
     (rows shared: a request has the same row in every table), and each step
     builds per group ``slot_mapping`` int64 ``[T]`` and ``block_table``
     int32 ``[B, width_g]``; ``seq_lens`` / ``query_start_loc`` are shared.
-    A sliding group's released blocks stay in its row (the scheduler reports
-    no releases; the window mask never reads them).
+    A sliding group's released blocks become the null block (0) in its row
+    before each step (the scheduler reports no releases, so the runner
+    applies the manager's rule: the blocks wholly before the window of the
+    step's first position, ``(c - window + 1) // block_size`` of them for a
+    request at ``c`` computed tokens), so a block re-owned by another
+    request is never named by this request's table.
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, groups: Sequence[KVCacheGroup],
@@ -181,6 +212,8 @@ class HybridModelRunner(ModelRunner):
             for layer in group.layer_indices:
                 layer_groups[layer] = g
         self.layer_groups = tuple(layer_groups)
+        self.group_windows = tuple(g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None
+                                   for g in self.groups)
         rows = self.block_table.shape[0]
         self.block_tables = [torch.zeros((rows, -(-max_model_len // bs)), dtype=torch.int32)
                              for bs in self.group_block_sizes]
@@ -234,8 +267,11 @@ class HybridModelRunner(ModelRunner):
         seq_lens_t = torch.from_numpy(seq_lens).to(torch.int32)
         qsl_t = torch.from_numpy(qsl).to(torch.int32)
         longest = int(seq_lens.max())
+        first = seq_lens - np.diff(qsl)  # each request's first position this step (its computed tokens)
         metas = []
-        for g, bs in enumerate(self.group_block_sizes):
+        for g, (bs, window) in enumerate(zip(self.group_block_sizes, self.group_windows)):
+            if window is not None:
+                null_released_blocks(self._bts[g], rows, first, window, bs)
             slots = self._bts[g][token_rows, positions // bs].astype(np.int64) * bs + positions % bs
             metas.append(AttentionMetadata(slot_mapping=torch.from_numpy(slots),
                                            block_table=self.block_tables[g][rows_t][:, : -(-longest // bs)],

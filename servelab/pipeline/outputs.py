@@ -40,6 +40,18 @@ class GenerationOutput:
         logprobs: per generated token, ``[(sampled id, logprob), (top-1 id,
             logprob), ...]`` when ``SamplingParams.logprobs`` was set (None for
             tokens that came out of draft verification).
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` was set, one
+            entry per prompt token: None for the first (nothing predicts it),
+            then ``{token id: Logprob(logprob, rank, decoded_token)}`` holding
+            the prompt token itself and the top ``prompt_logprobs`` tokens
+            (:mod:`servelab.pipeline.prompt_logprobs`). Set once the whole
+            prompt has been computed.
+        structured_unenforced: for a ``json=`` constraint, the schema keywords
+            the grammar backend does not enforce (``"keyword at /pointer: why"``;
+            empty: the grammar enforces the whole schema); None otherwise.
+        structured_violations: with ``StructuredOutputsParams(validate=True)``
+            and ``finish_reason == "stop"``, why the output is not valid under
+            the schema (empty list: it is valid); None when not checked.
     """
 
     request_id: str
@@ -53,6 +65,9 @@ class GenerationOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
+    structured_unenforced: list[str] | None = None
+    structured_violations: list[str] | None = None
 
     @property
     def finished(self) -> bool:

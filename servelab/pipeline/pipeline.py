@@ -51,7 +51,7 @@ import torch
 from servelab.config import PipelineConfig
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
 from servelab.pipeline.batch import BatchRuns
-from servelab.pipeline.delivery import OutputDelivery, Tracked
+from servelab.pipeline.delivery import OutputDelivery, Tracked, warn_unenforced
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.inputs import RenderedPrompt, prompt_token_ids, request_params
 from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
@@ -205,6 +205,8 @@ class Pipeline(BatchRuns, OutputDelivery):
                                   num_speculative_tokens=spec.num_speculative_tokens,
                                   max_num_reqs=self.scheduler_config.max_num_seqs, eos_token_id=self.eos_token_id,
                                   structured=self.structured)
+        if self.kv_cache_groups is None:  # one sliding-window spec: its released blocks are nulled in the table
+            self.runner.sliding_window = getattr(getattr(self.kv_cache_manager, "spec", None), "sliding_window", None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: PipelineConfig | None = None, dtype: Any = None,
@@ -298,7 +300,10 @@ class Pipeline(BatchRuns, OutputDelivery):
         """Compile the request's grammar (if any), then queue it; neither is kept if either fails."""
         grammar = getattr(request.sampling_params, "structured_outputs", None)
         if grammar is not None:
-            self.structured.add_request(request.request_id, grammar)
+            unenforced = self.structured.add_request(request.request_id, grammar)
+            if grammar.kind == "json":
+                self._tracked[request.request_id].output.structured_unenforced = list(unenforced)
+                warn_unenforced(request.request_id, unenforced)
         try:
             self.scheduler.add_request(request)
         except BaseException:

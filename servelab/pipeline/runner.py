@@ -7,9 +7,11 @@ State that persists across steps (the "persistent batch", as in vLLM v1's
   no drafts), sampling params, prompt length, and its row in
 - one block table ``[max_reqs, max_blocks_per_req]`` int32, whose rows are
   appended to as the scheduler hands out blocks (new blocks only), replaced
-  when a preempted request resumes, and recycled when a request ends. (A
-  sliding window's released blocks stay in the row: ``SchedulerOutput`` does
-  not report releases, and the window mask never reads those positions.)
+  when a preempted request resumes, and recycled when a request ends. A
+  sliding window's released blocks (``SchedulerOutput`` does not report
+  releases) become the null block 0 in the row before each step
+  (:func:`null_released_blocks`, the manager's rule), so a block another
+  request owns by now is never named by this one's table.
 
 Each step then builds, vectorised over the batch (numpy on the host):
 
@@ -29,6 +31,9 @@ Logits are computed only where a token is sampled: the last scheduled
 position of each request whose computation reaches its last known token (a
 chunked prefill still short of the end samples nothing), or, when drafts are
 being verified, the position before each draft and the bonus position.
+Requests that ask for prompt logprobs also get logits for their scheduled
+prompt positions (:mod:`servelab.pipeline.prompt_logprobs`; nothing is
+computed for the others).
 
 Sampling (:mod:`servelab.pipeline.sampling_steps`): requests without drafts
 go through ``Sampler.forward`` with a ``SamplingMetadata`` built for this
@@ -58,6 +63,7 @@ import numpy as np
 import torch
 
 from servelab.models import AttentionMetadata
+from servelab.pipeline.prompt_logprobs import PromptLogprobsCollector
 from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
 from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
 from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
@@ -82,6 +88,20 @@ class CachedRequestState:
     draft_probs: torch.Tensor | None = None
     """Draft distributions ``[k, draft_vocab]`` of the drafts proposed last step (draft model)."""
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def null_released_blocks(table: np.ndarray, rows: np.ndarray, first: np.ndarray, window: int,
+                         block_size: int) -> None:
+    """Null block (0) in ``table`` int32 ``[max_reqs, width]`` at rows ``rows`` ``[B]``
+    for every block wholly before the window of each request's first position
+    this step, ``first`` ``[B]`` (its computed tokens): the blocks a sliding
+    window's manager released when it scheduled the step, which another
+    request may own and fill (NaN, inf) by now."""
+    dead = (first - window + 1) // block_size  # [B] leading dead blocks per request
+    width = int(dead.max()) if len(dead) else 0
+    if width > 0:
+        head = table[rows, :width]
+        table[rows, :width] = np.where(np.arange(width) < dead[:, None], 0, head)
 
 
 class ModelRunner(SamplingSteps):
@@ -131,8 +151,12 @@ class ModelRunner(SamplingSteps):
         self._bt = self.block_table.numpy()  # shares memory: numpy writes, torch reads
         self._free_rows = list(range(self.block_table.shape[0] - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+        self.sliding_window: int | None = None
+        """The window of a single sliding-window KV spec (the pipeline sets it): released blocks are nulled."""
         self.last_verification: list[tuple[int, int]] = []
         """(drafts verified, drafts accepted) per request verified in the last step."""
+        self.prompt_logprobs = PromptLogprobsCollector()
+        """Prompt logprobs of requests that ask (:mod:`servelab.pipeline.prompt_logprobs`)."""
 
     # ---- persistent state -------------------------------------------------
 
@@ -171,6 +195,7 @@ class ModelRunner(SamplingSteps):
         as a request ends, so nothing lingers until the next step."""
         self._detach(req_id)
         self.requests.pop(req_id, None)
+        self.prompt_logprobs.discard(req_id)
 
     def rollback(self, so: SchedulerOutput) -> None:
         """Undo what a failed or interrupted :meth:`execute` of ``so`` did: every
@@ -200,6 +225,7 @@ class ModelRunner(SamplingSteps):
             state.row = self._take_row()
             self._set_blocks(state, new.block_ids, append=False)
             self.requests[new.req_id] = state
+            self.prompt_logprobs.add(new.req_id, getattr(params, "prompt_logprobs", None), new.prompt_token_ids)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -279,6 +305,8 @@ class ModelRunner(SamplingSteps):
         ``query_start_loc`` ``[B + 1]`` (int64 numpy arrays). The block table
         is a contiguous int32 copy of the batch's rows, ``max(seq_lens)`` blocks wide."""
         bs = self.block_size
+        if self.sliding_window is not None:
+            null_released_blocks(self._bt, rows, seq_lens - np.diff(qsl), self.sliding_window, bs)
         blocks, offsets = np.divmod(positions, bs)
         slots = self._bt[rows[seq], blocks].astype(np.int64) * bs + offsets
         width = int(-(-seq_lens.max() // bs))
@@ -334,6 +362,8 @@ class ModelRunner(SamplingSteps):
         batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
         input_ids, positions, meta, ends = self._prepare(so, batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.prompt_logprobs.pending:  # requests asking for prompt logprobs: their prompt positions' logits
+            self.prompt_logprobs.collect(self.model, batch, hidden, ends)
 
         plain, verify = self._rows_to_sample(batch, spec)
         sampled: list[list[int]] = [[] for _ in batch]

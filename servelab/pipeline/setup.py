@@ -91,7 +91,8 @@ def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: in
     if wants_kv_cache_groups(cache.kv_cache_groups, model):
         return build_hybrid_kv_cache_manager(cache, model, max_model_len,
                                              max_num_seqs=config.scheduler.max_num_seqs,
-                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
+                                             num_speculative_tokens=config.speculative.num_speculative_tokens,
+                                             max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
     spec = kv_cache_spec(model, cache.block_size, model.dtype)
     num_blocks = cache.num_blocks
     if num_blocks is None:

@@ -110,6 +110,12 @@ class SamplingParams:
     - ``logprobs``: None or >= 0 (and <= the engine's ``max_logprobs``, checked by
       :meth:`validate_for_model`); the number of top logprobs returned beside
       the sampled token's (from the raw distribution, before any processing).
+    - ``prompt_logprobs``: None, -1 (the whole vocabulary) or >= 0 (and, as
+      ``logprobs``, <= ``max_logprobs``, -1 counting as the vocabulary size):
+      per prompt token its logprob and rank under the model plus the top
+      ``prompt_logprobs`` tokens, in ``GenerationOutput.prompt_logprobs``
+      (:mod:`servelab.pipeline.prompt_logprobs`). Such a request computes its
+      whole prompt (it skips prefix-cache hits until its prompt is done).
     - ``logit_bias``: token id (>= 0) -> bias in [-100, 100], added before
       penalties. ``allowed_token_ids``: if given, a non-empty whitelist.
     - ``bad_words``: non-empty strings, banned as token sequences once resolved
@@ -140,6 +146,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
@@ -155,6 +162,8 @@ class SamplingParams:
         self._check_stops()
         if self.logprobs is not None:
             check_int(_field("logprobs"), self.logprobs, min_value=0)
+        if self.prompt_logprobs is not None:
+            check_int(_field("prompt_logprobs"), self.prompt_logprobs, min_value=-1)
         self._normalise_logit_bias()
         self._check_token_masks()
         if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
@@ -313,6 +322,13 @@ class SamplingParams:
             if self.logprobs is not None and self.logprobs > limit:
                 raise ValueError(f"SamplingParams.logprobs = {self.logprobs} exceeds {what} = {limit}; "
                                  f"valid: None or [0, {min(max_logprobs, vocab_size)}]")
+        if self.prompt_logprobs is not None:
+            wanted = vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
+            for what, limit in (("max_logprobs", max_logprobs), ("vocab_size", vocab_size)):
+                if wanted > limit:
+                    raise ValueError(f"SamplingParams.prompt_logprobs = {self.prompt_logprobs} exceeds {what} = "
+                                     f"{limit}; valid: None or [0, {min(max_logprobs, vocab_size)}]"
+                                     + (" (-1 means the whole vocabulary)" if self.prompt_logprobs == -1 else ""))
         candidates = self._tokens_left_unmasked(vocab_size)
         if candidates is not None and not candidates:
             raise ValueError("SamplingParams.allowed_token_ids and bad_words_token_ids leave no token to sample "

@@ -55,7 +55,10 @@ Faults, and what they touch:
   request), ``update_from_output`` (a request not scheduled this step, more
   tokens than drafts + 1), ``fail_requests``, ``rollback_step``.
 - A request that cannot fit in the KV cache even alone finishes as failed
-  (finish reason ``"error"``, with a message) when it is scheduled.
+  (finish reason ``"error"``, with a message) when it is scheduled; alone,
+  it first gets a smaller chunk when its manager says one serves it
+  (``max_chunk_alone``: a hybrid model's sliding groups need only the
+  window plus one chunk).
 - Policy code (``key``, hooks, ``select_victim``) that raises an
   ``Exception`` fails only the request it was called for (see
   :class:`~servelab.scheduling.interfaces.SchedulingPolicy`); in
@@ -300,7 +303,7 @@ class Scheduler(RequestTransitions):
             new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
             if new_blocks is None:
                 step.budget = budget
-                new_blocks, i = self._make_room(step, req, i, n, ahead)
+                new_blocks, i, n = self._make_room(step, req, i, n, ahead)
                 budget = step.budget
                 if new_blocks is None:
                     continue  # req left `running`; running[i] is the next one
@@ -318,27 +321,32 @@ class Scheduler(RequestTransitions):
             i += 1
         step.budget = budget
 
-    def _make_room(self, step: _Step, req: Request, i: int, n: int, ahead: int) -> tuple[list | None, int]:
+    def _make_room(self, step: _Step, req: Request, i: int, n: int, ahead: int
+                   ) -> tuple[list | None, int, int]:
         """Preempt policy-chosen victims until ``req`` (``running[i]``) gets
-        slots for ``n`` tokens. Returns its new blocks, or None when it left
-        ``running`` (its own victim, failed); and the index of the request
-        after it."""
+        slots for ``n`` tokens (alone: maybe a smaller chunk, see
+        :meth:`_allocate_alone`). Returns its new blocks, or None when it left
+        ``running`` (its own victim, failed); the index of the request after
+        it; and the tokens it gets."""
         kv = self.kv_cache_manager
         running = self.running
         while True:
-            if len(running) == 1:  # alone, and still no room: it never will be
+            if len(running) == 1:  # alone, and still no room: a smaller chunk, or never
                 if ahead:
                     new_blocks = kv.allocate_slots(req, n)
                     if new_blocks is not None:
-                        return new_blocks, i
+                        return new_blocks, i, n
+                new_blocks, fit = self._allocate_alone(req, n)
+                if new_blocks is not None:
+                    return new_blocks, i, fit
                 running.pop(i)
                 self._fail(req, self._no_room_message(req, n))
-                return None, i
+                return None, i, n
             victim, error = self._select_victim(req)
             if victim is None:
                 running.pop(i)
                 self._fail(req, error)
-                return None, i
+                return None, i, n
             j = next(k for k, r in enumerate(running) if r is victim)
             running.pop(j)
             rid = victim.request_id
@@ -350,10 +358,25 @@ class Scheduler(RequestTransitions):
                 i -= 1
             self._preempt(victim, step)
             if victim is req:
-                return None, i
+                return None, i, n
             new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
             if new_blocks is not None:
-                return new_blocks, i
+                return new_blocks, i, n
+
+    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: object = None
+                        ) -> tuple[list | None, int]:
+        """``req`` has the pool to itself and ``n`` tokens find no room: a manager
+        with ``max_chunk_alone`` (the hybrid one: sliding windows need only the
+        window plus one chunk) may serve it in smaller chunks. Returns the new
+        blocks and the chunk, or (None, n): it can never run here."""
+        fit = getattr(self.kv_cache_manager, "max_chunk_alone", None)
+        if fit is None or not self.config.enable_chunked_prefill:
+            return None, n
+        chunk = fit(req, n)
+        if not 0 < chunk < n:
+            return None, n
+        new_blocks = self.kv_cache_manager.allocate_slots(req, chunk, num_hit, hit_blocks)
+        return (None, n) if new_blocks is None else (new_blocks, chunk)
 
     def _select_victim(self, req: Request) -> tuple[Request | None, str]:
         """The policy's victim, or (None, why) when the policy failed."""
@@ -422,7 +445,9 @@ class Scheduler(RequestTransitions):
                 break
             if req is None:
                 break
-            if enable_caching:
+            # A request whose prompt logprobs are incomplete computes its whole prompt (no prefix hit).
+            if enable_caching and (req.sampling_params.prompt_logprobs is None
+                                   or req.num_tokens > req.num_prompt_tokens):
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
             else:
                 hit_blocks, num_hit = None, 0
@@ -445,9 +470,11 @@ class Scheduler(RequestTransitions):
                 kv.free(req)
                 self._waiting_queue_failed(exc)
                 break
-            if new_blocks is None:  # alone in the cache and still no room: never
-                self._fail(req, self._no_room_message(req, n + num_hit))
-                continue
+            if new_blocks is None:  # alone in the cache and still no room: a smaller chunk, or never
+                new_blocks, n = self._allocate_alone(req, n, num_hit, hit_blocks)
+                if new_blocks is None:
+                    self._fail(req, self._no_room_message(req, n + num_hit))
+                    continue
             if hook is not None:
                 req.num_computed_tokens = num_hit
                 try:

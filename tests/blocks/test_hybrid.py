@@ -6,6 +6,8 @@ page-size rules."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from servelab.blocks import (
@@ -19,6 +21,7 @@ from servelab.blocks import (
     make_kv_cache_groups,
     unify_page_sizes,
 )
+from servelab.blocks.specs import blocks_needed_alone, request_blocks_cap
 from servelab.reference import HybridKVCacheManager as RefHybrid
 
 BS = 16
@@ -269,7 +272,63 @@ def test_hybrid_memory_benchmark_counts_the_window():
     spec = importlib.util.spec_from_file_location("servelab_bench_hybrid_memory", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.measure(8192, 512, 4 * 2**30)
+    res = bench.measure(bench.gemma2_9b_like_specs(torch.bfloat16), 8192, 512, 4 * 2**30)
     assert res["hybrid"]["blocks"] == 512 + 256
     assert res["uniform"]["bytes_per_request"] * 3 == res["hybrid"]["bytes_per_request"] * 4
     assert res["hybrid"]["max_batch"] >= res["uniform"]["max_batch"]
+    # Gemma 3 270M's shape (5 local layers of window 512 per global one): the global group holds 8k
+    # tokens, each local group one window (32 blocks), so a request holds 18 / (3 + 15 * 32 / 512) of it.
+    common = dict(block_size=16, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
+    gemma3 = [FullAttentionSpec(**common) if i % 6 == 5 else SlidingWindowSpec(sliding_window=512, **common)
+              for i in range(18)]
+    res = bench.measure(gemma3, 8192, 512, 1 * 2**30)
+    assert res["hybrid"]["blocks"] == 512 + 5 * 32
+    assert res["uniform"]["bytes_per_request"] == 18 * 8192 * 2 * 256 * 2
+
+
+# ---- admission: what chunked prefill can serve (vLLM's sliding-window cap) -------------------
+
+def test_request_blocks_cap_is_vllms_rule():
+    window = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8)
+    assert request_blocks_cap(window, 40, 16) == -(-(8 - 1 + 16) // 4) + 1 == 7
+    assert request_blocks_cap(window, 40, 512) == 10  # never more than the blocks of the tokens
+    assert request_blocks_cap(full(4), 40, 1) == 10 and request_blocks_cap(mamba(4), 40, 1) == 1
+
+
+def test_max_chunk_alone_admits_the_issue_case():
+    """Gemma 2 shape: window 8, 4-token blocks, 19 usable blocks, a 40-token prompt."""
+    window = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8)
+    manager = HybridKVCacheManager([window, full(4)], 20, enable_caching=False)
+    r = req("a", list(range(40)), 4)
+    assert manager.allocate_slots(r, 40) is None  # one 40-token step needs 20 blocks
+    chunk = manager.max_chunk_alone(r, 40)
+    assert chunk == 25  # cdiv(7 + 25, 4) + 1 + 10 = 19 usable blocks; 26 would need 20
+    assert manager.allocate_slots(r, chunk) is not None
+    assert manager.max_chunk_alone(req("b", list(range(77)), 4), 77) == 0  # 20 full-attention blocks alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 20), bs=st.sampled_from([1, 2, 4, 8]), prompt=st.integers(1, 90),
+       usable=st.integers(2, 40), in_flight=st.integers(1, 64))
+def test_chunked_prefill_never_holds_more_than_the_cap(window, bs, prompt, usable, in_flight):
+    """Alone in the pool, a prompt prefilled in chunks of ``max_chunk_alone``
+    tokens (at most ``in_flight``) always finds room, and never holds more
+    blocks than ``blocks_needed_alone`` says."""
+    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                             sliding_window=window)
+    manager = HybridKVCacheManager([spec, full(bs)], usable + 1, enable_caching=False)
+    r = req("a", list(range(prompt)), bs)
+    chunk = manager.max_chunk_alone(r, min(in_flight, prompt))
+    if chunk == 0:
+        assert blocks_needed_alone([spec, full(bs)], prompt, 1) > usable
+        return
+    cap = blocks_needed_alone([spec, full(bs)], prompt, chunk)
+    assert cap <= usable
+    while r.num_computed_tokens < prompt:
+        n = min(chunk, prompt - r.num_computed_tokens)
+        assert manager.allocate_slots(r, n) is not None, (r.num_computed_tokens, n)
+        held = usable - manager.num_free_blocks
+        assert held <= cap
+        r.num_computed_tokens += n
+    manager.free(r)
+    assert manager.num_free_blocks == usable

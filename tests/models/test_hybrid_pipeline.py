@@ -28,7 +28,8 @@ from servelab.blocks import (  # noqa: E402
     KVCacheManager,
     SlidingWindowSpec,
 )
-from servelab.models import load_model  # noqa: E402
+from servelab.blocks.specs import blocks_needed_alone  # noqa: E402
+from servelab.models import build_tiny_model, load_model  # noqa: E402
 from servelab.pipeline.hybrid import HybridModelRunner  # noqa: E402
 
 
@@ -66,9 +67,8 @@ def _hf_greedy(hf, prompt, new):
 
 
 def _check_tables(pipe):
-    """Each running request's row in each group's table holds the manager's block
-    ids (positions a sliding window released are null in the manager and stale
-    in the runner: never read)."""
+    """Each running request's row in each group's table holds exactly the manager's
+    block ids (positions a sliding window released are the null block in both)."""
     manager, runner = pipe.kv_cache_manager, pipe.runner
     for rid, state in runner.requests.items():
         if state.row < 0 or rid not in manager.req_to_blocks:
@@ -76,7 +76,7 @@ def _check_tables(pipe):
         for g, ids in enumerate(manager.get_block_ids(rid)):
             row = runner._bts[g][state.row, :len(ids)].tolist()
             assert len(ids) == state.group_blocks[g]
-            assert all(b == r for b, r in zip(ids, row) if b != 0), (rid, g, ids, row)
+            assert ids == row, (rid, g, ids, row)
 
 
 def test_auto_builds_groups_per_layer_kind(ckpt):
@@ -198,6 +198,90 @@ def test_released_blocks_in_stale_rows_never_reach_results(ckpt, backend):
         assert list(out.token_ids) == _hf_greedy(hf, prompt, new), out
 
 
+_POISON = (float("nan"), float("inf"), float("-inf"))
+
+
+def _poison(pipe, block_ids):
+    """Write NaN, +inf and -inf (cycling over slots) into every layer's page of each block."""
+    for layer in pipe.kv_caches.views:
+        for view in layer:
+            for b in block_ids:
+                for slot in range(view.shape[1]):
+                    view[b, slot] = _POISON[slot % 3]
+
+
+def _held(manager, rid) -> set[int]:
+    ids = manager.get_block_ids(rid)
+    return {i for row in ids for i in (row if isinstance(row, list) else [row])} - {0}
+
+
+def _run_poisoned(pipe, prompt_a, prompt_b, new):
+    """Run A; from step 1 on, B (a long chunked prefill) runs too; after every
+    step the blocks A released that B now owns are filled with NaN / +-inf.
+    Returns A's tokens and the poisoned block ids."""
+    manager = pipe.kv_cache_manager
+    a = pipe.add_request(prompt_a, SamplingParams(temperature=0.0, max_tokens=new))
+    tokens, released, poisoned, held_before = [], set(), set(), set()
+    for step in range(30):
+        if step == 1:  # B arrives while A runs (A prefills in chunks of 5, then decodes)
+            b = pipe.add_request(prompt_b, SamplingParams(temperature=0.0, max_tokens=1))
+        for event in pipe.step():
+            if event.request_id == a:
+                tokens += event.new_token_ids
+        if a not in manager.req_to_blocks:
+            break
+        if isinstance(manager, HybridKVCacheManager):
+            _check_tables(pipe)
+        held_a = _held(manager, a)
+        released |= held_before - held_a
+        held_before = held_a
+        reowned = _held(manager, b) & released if step >= 1 else set()
+        _poison(pipe, reowned)
+        poisoned |= reowned
+    pipe.abort_request(b)
+    return tokens, poisoned
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton"])
+def test_released_block_reowned_and_poisoned_never_reaches_the_releaser(ckpt, backend):
+    """Request A's sliding window releases blocks while A decodes; request B
+    (a long chunked prefill) is handed them, and they are filled with NaN and
+    +-inf after every step (as if B's KV overflowed). A's table must name the
+    null block there, not B's block: A stays token-exact and its rows equal
+    the manager's (null included)."""
+    arch, model, config, hf = ckpt
+    if arch == "gemma2" and backend == "sdpa":
+        pytest.skip("sdpa cannot express Gemma 2's soft-capping (refusal tested above)")
+    prompt_a = random_prompts([16], config.vocab_size, seed=11)[0]
+    prompt_b = random_prompts([60], config.vocab_size, seed=12)[0]
+    new = 4 if backend == "triton" else 6
+    try:
+        pipe = Pipeline(model, attention_backend=backend, block_size=2, num_blocks=24, max_num_batched_tokens=5,
+                        enable_prefix_caching=False)
+        tokens, poisoned = _run_poisoned(pipe, prompt_a, prompt_b, new)
+    finally:
+        model.attention = "torch"
+    assert poisoned, "no block A released was re-owned by B: the test did not test anything"
+    assert tokens == _hf_greedy(hf, prompt_a, new)
+    assert pipe.kv_cache_manager.num_free_blocks == pipe.num_blocks - 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_single_sliding_group_nulls_released_blocks_too(tmp_path, backend):
+    """The same on a model whose every layer slides (Mistral): one group, the
+    plain KVCacheManager and ModelRunner."""
+    path = build_tiny_model(tmp_path / "mistral", arch="mistral", sliding_window=WINDOW, vocab_size=512)
+    model, config = load_model(path)
+    prompt_a = random_prompts([16], config.vocab_size, seed=11)[0]
+    prompt_b = random_prompts([60], config.vocab_size, seed=12)[0]
+    pipe = Pipeline(model, attention_backend=backend, block_size=2, num_blocks=13, max_num_batched_tokens=5,
+                    enable_prefix_caching=False)
+    assert type(pipe.kv_cache_manager) is KVCacheManager and pipe.runner.sliding_window == WINDOW
+    tokens, poisoned = _run_poisoned(pipe, prompt_a, prompt_b, 6)
+    assert poisoned, "no block A released was re-owned by B: the test did not test anything"
+    assert tokens == _hf_greedy(load_hf(path), prompt_a, 6)
+
+
 def test_given_hybrid_manager_is_checked(ckpt):
     arch, model, config, _ = ckpt
     spec = FullAttentionSpec(block_size=4, num_kv_heads=config.num_key_value_heads, head_size=config.head_dim,
@@ -228,3 +312,42 @@ def test_given_hybrid_manager_is_checked(ckpt):
     bare = HybridKVCacheManager([spec, window], 20)  # bare specs: no layer_indices
     with pytest.raises(ValueError, match="without a group"):
         Pipeline(model, attention_backend="torch", kv_cache_manager=bare)
+
+
+@pytest.fixture(scope="module")
+def gemma2_window8(tmp_path_factory):
+    """Gemma 2 with an 8-token window (issue case: 4-token blocks, 19 usable blocks)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    path = tmp_path_factory.mktemp("gemma2w8")
+    hf_config = Gemma2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, num_hidden_layers=4,
+                             sliding_window=8, query_pre_attn_scalar=12, bos_token_id=1, eos_token_id=2,
+                             pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(path)
+    model, config = load_model(path)
+    return model, config, load_hf(path)
+
+
+def test_admits_what_chunked_prefill_can_serve(gemma2_window8):
+    """A 40-token prompt needs 10 full-attention blocks, and its sliding group
+    only the window plus one chunk: with 19 usable blocks it runs (in chunks
+    the pool can hold, token-exact), although one 40-token step would need 20.
+    A prompt whose full-attention blocks alone exceed the pool is refused
+    with the usual message; so is everything with chunked prefill off."""
+    model, config, hf = gemma2_window8
+    prompt = random_prompts([40], config.vocab_size, seed=21)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    pipe = Pipeline(model, attention_backend="torch", block_size=4, num_blocks=20, max_num_batched_tokens=512)
+    assert blocks_needed_alone(pipe.kv_cache_manager.specs, 40, 40) == 20 > 19
+    out = pipe.generate([prompt], params)[0]
+    assert out.finish_reason == "length" and list(out.token_ids) == _hf_greedy(hf, prompt, 4)
+    assert pipe.kv_cache_manager.num_free_blocks == 19
+    too_long = random_prompts([77], config.vocab_size, seed=22)[0]  # 20 full-attention blocks alone
+    failed = pipe.generate([too_long], params)[0]
+    assert failed.finish_reason == "error" and "cannot fit in the KV cache even alone" in failed.error
+    assert "19 usable blocks" in failed.error
+    whole = Pipeline(model, attention_backend="torch", block_size=4, num_blocks=20, max_num_batched_tokens=512,
+                     enable_chunked_prefill=False)
+    assert whole.generate([prompt], params)[0].finish_reason == "error"

@@ -44,9 +44,13 @@ CONSTRAINTS = {"json": StructuredOutputsParams(json=SCHEMA), "regex": Structured
                "choice": StructuredOutputsParams(choice=CHOICES)}
 
 
-def run(pipe, kinds, **params):
+# A prompt that spells the constrained outputs' shapes: the n-gram drafter finds continuations in it.
+ECHO = 'Answers: {"ok": true, "n": 2} cc-3 gamma delta; again: {"ok": true, "n": 2} cc-3 gamma delta; again:'
+
+
+def run(pipe, kinds, prompts=PROMPTS, **params):
     batch = [SamplingParams(max_tokens=48, structured_outputs=CONSTRAINTS[k], **params) for k in kinds]
-    return pipe.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))], batch)
+    return pipe.generate([prompts[i % len(prompts)] for i in range(len(kinds))], batch)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7)], ids=["greedy", "seeded"])
@@ -72,9 +76,14 @@ def test_free_request_in_the_same_batch_is_unaffected(tiny, one_torch_thread):
 
 def test_speculation_and_preemption_keep_greedy_output(tiny, one_torch_thread):
     kinds = ["json", "regex", "choice", "json"]
-    plain = [o.token_ids for o in run(Pipeline.from_pretrained(tiny), kinds, temperature=0)]
+    prompts = [ECHO, *PROMPTS[1:]]
+    reference = Pipeline.from_pretrained(tiny)
+    plain_echo = [o.token_ids for o in run(reference, kinds, prompts, temperature=0)]
     speculative = Pipeline.from_pretrained(tiny, drafter="ngram", num_speculative_tokens=3)
-    assert [o.token_ids for o in run(speculative, kinds, temperature=0)] == plain
+    assert [o.token_ids for o in run(speculative, kinds, prompts, temperature=0)] == plain_echo
+    metrics = speculative.last_run_metrics  # the grammar really met drafts: some proposed, some accepted
+    assert metrics.num_draft_tokens > 0 and metrics.num_accepted_tokens > 0, metrics.table()
+    plain = [o.token_ids for o in run(reference, kinds, temperature=0)]
     small = Pipeline.from_pretrained(tiny, num_blocks=12, block_size=4, max_num_batched_tokens=16)
     outs = run(small, kinds, temperature=0)
     assert [o.token_ids for o in outs] == plain
@@ -96,3 +105,21 @@ def test_grammar_refused_without_tokenizer_and_with_ignore_eos(tiny):
         SamplingParams(ignore_eos=True, structured_outputs=CONSTRAINTS["regex"])
     with pytest.raises(TypeError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_unenforced_keywords_are_reported_and_violations_marked(tiny, one_torch_thread):
+    """``not`` is not enforced by the backend: the request says so when added (a warning, and the list on
+    the output), and ``validate=True`` marks the finished output that violates it; an enforced schema
+    reports nothing and validates."""
+    pytest.importorskip("jsonschema")
+    pipe = Pipeline.from_pretrained(tiny)
+    never = StructuredOutputsParams(json={"type": "string", "maxLength": 8, "not": {"type": "string"}}, validate=True)
+    fine = StructuredOutputsParams(json=SCHEMA, validate=True)
+    with pytest.warns(UserWarning, match=r"does not enforce 1 keyword.*not at /: ignored"):
+        outs = pipe.generate(PROMPTS[:3], [SamplingParams(temperature=0, max_tokens=48, structured_outputs=c)
+                                           for c in (never, fine)] + [SamplingParams(max_tokens=2)])
+    assert outs[0].finish_reason == "stop" and outs[0].structured_unenforced == ["not at /: ignored"]
+    assert outs[0].structured_violations and outs[0].structured_violations[0].startswith("not at /:")
+    assert outs[1].finish_reason == "stop" and outs[1].structured_unenforced == []
+    assert outs[1].structured_violations == []
+    assert outs[2].structured_unenforced is None and outs[2].structured_violations is None

@@ -9,6 +9,11 @@ Two protocols, one registry:
   when it does not compile) and :meth:`~GrammarBackend.new_matcher` starts a
   per-request state machine on it. Compilation is cached per constraint by
   :class:`~servelab.samplers.structured.manager.StructuredOutputManager`.
+- A backend may also offer ``audit(params)``: a
+  :class:`~servelab.samplers.structured.schema_audit.SchemaAudit` (or None)
+  listing the JSON-schema keywords it will not enforce; the manager calls it
+  once per constraint when a request is added, and the pipeline reports the
+  list (optional: a backend without it is taken to enforce everything).
 - :class:`GrammarMatcher` is that state machine: it fills the request's
   bitmask row for the next token, accepts tokens (``False`` when the grammar
   forbids one, leaving the state unchanged), rolls back, and says when the

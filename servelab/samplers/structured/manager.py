@@ -6,6 +6,10 @@ Life of a constrained request (vLLM v1's design, CPU side):
    is compiled — once per constraint, cached here for this tokenizer — and a
    matcher is started. A constraint that does not compile raises
    ``ValueError`` with the compiler's message, which fails that request alone.
+   A backend with an ``audit(params)`` method (the default one) also says
+   which JSON-schema keywords it will not enforce
+   (:mod:`~servelab.samplers.structured.schema_audit`); ``add_request``
+   returns them, and the pipeline warns and puts them on the output.
 2. **mask** (:meth:`fill_bitmasks`, every step, before sampling): one bitmask
    row per sampled position. A request verifying ``d`` drafts needs ``d + 1``
    rows: row ``j`` is the mask after the first ``j`` drafts, so the matcher is
@@ -60,6 +64,7 @@ class StructuredOutputManager:
         self._backend_choice = backend
         self._backend: GrammarBackend | None = None
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._unenforced: dict[tuple[str, str], tuple[str, ...]] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
 
     @property
@@ -90,12 +95,27 @@ class StructuredOutputManager:
             self._compiled[key] = self.backend.compile(params)
         return self._compiled[key]
 
-    def add_request(self, req_id: str, params: StructuredOutputsParams) -> None:
-        """Compile (or reuse) the constraint and start a matcher; nothing is kept if it fails."""
+    def unenforced(self, params: StructuredOutputsParams) -> tuple[str, ...]:
+        """What the backend will not enforce of ``params`` (cached; empty for a backend without ``audit``)."""
+        key = params.key
+        if key not in self._unenforced:
+            audit = getattr(self.backend, "audit", None)
+            result = audit(params) if audit is not None else None
+            self._unenforced[key] = tuple(str(u) for u in result.unenforced) if result is not None else ()
+        return self._unenforced[key]
+
+    def add_request(self, req_id: str, params: StructuredOutputsParams) -> tuple[str, ...]:
+        """Compile (or reuse) the constraint and start a matcher; nothing is kept if it fails.
+
+        Returns what the backend will not enforce (:meth:`unenforced`), each
+        ``"keyword at /json/pointer: why"``; empty when everything is enforced.
+        """
         if req_id in self._matchers:
             raise ValueError(f"request {req_id!r} already has a grammar")
         matcher = self.backend.new_matcher(self.compile(params))
+        unenforced = self.unenforced(params)
         self._matchers[req_id] = matcher
+        return unenforced
 
     def remove_request(self, req_id: str) -> None:
         """Forget a request's matcher (unknown ids are ignored)."""

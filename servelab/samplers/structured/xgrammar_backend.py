@@ -1,15 +1,28 @@
-"""The default grammar backend: xgrammar (CPU, C++ matcher, packed int32 bitmasks)."""
+"""The default grammar backend: xgrammar (CPU, C++ matcher, packed int32 bitmasks).
+
+JSON schemas go through the pre-pass first
+(:func:`~servelab.samplers.structured.schema_audit.audit_json_schema`): the
+backend compiles the audited schema, and :meth:`XGrammarBackend.audit` tells
+the pipeline which keywords stay unenforced. The converted grammar then gets
+one more fix: strings with ``minLength``/``maxLength`` are compiled to a
+character class that admits raw control characters (U+0000-U+001F), which
+strict JSON parsers refuse; :func:`exclude_control_characters` removes them
+from that class (the grammar's text round-trips exactly through xgrammar's
+EBNF parser).
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from servelab.samplers.structured.params import StructuredOutputsParams
+from servelab.samplers.structured.schema_audit import SchemaAudit, audit_json_schema
 
 try:
     import xgrammar as xgr
@@ -18,6 +31,33 @@ except ImportError as exc:  # pragma: no cover - exercised by the missing-extra 
                       f"(or pip install xgrammar); import failed: {exc}") from exc
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# The bounded-string character class of xgrammar's JSON-schema converter, as its EBNF prints it, and the
+# same class without control characters (the one its unbounded strings use).
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_BOUNDED_CHARS_FIXED = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def exclude_control_characters(ebnf: str) -> str:
+    """The grammar text with raw control characters taken out of bounded strings' character class."""
+    return ebnf.replace(_BOUNDED_CHARS, _BOUNDED_CHARS_FIXED)
+
+
+def json_schema_grammar(params: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` compiled for a ``json=`` constraint: the audited schema, converted
+    (no free whitespace; strict mode per ``params.strict``), control characters out of bounded strings."""
+    schema = audit_json_schema(params.schema, strict=params.strict).schema
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=params.strict)
+    text = str(grammar)
+    patched = exclude_control_characters(text)
+    if patched == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(patched)
+    except (RuntimeError, ValueError) as exc:  # the printed grammar did not parse back: keep the converter's
+        warnings.warn(f"structured outputs: bounded strings of this schema may admit raw control characters "
+                      f"(the grammar fix did not apply: {str(exc).splitlines()[0] if str(exc) else exc!r})",
+                      RuntimeWarning, stacklevel=2)
+        return grammar
 
 
 class XGrammarMatcher:
@@ -66,8 +106,7 @@ class XGrammarBackend:
         kind, value = params.kind, getattr(params, params.kind)
         try:
             if kind == "json":
-                text = value if isinstance(value, str) else json.dumps(value)
-                return self._compiler.compile_json_schema(text, any_whitespace=False)
+                return self._compiler.compile_grammar(json_schema_grammar(params))
             if kind == "regex":
                 return self._compiler.compile_regex(value)
             if kind == "grammar":
@@ -78,6 +117,12 @@ class XGrammarBackend:
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             message = _LOG_PREFIX.sub("", lines[0])  # drop xgrammar's "[time] file.cc:line: "
             raise ValueError(f"structured_outputs {kind}= does not compile: {message}") from None
+
+    def audit(self, params: StructuredOutputsParams) -> SchemaAudit | None:
+        """The schema pre-pass for a ``json=`` constraint (None for the other kinds)."""
+        if params.kind != "json":
+            return None
+        return audit_json_schema(params.schema, strict=params.strict)
 
     def new_matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))  # rollback depth is unlimited
