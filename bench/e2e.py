@@ -1,4 +1,5 @@
-"""End-to-end on CPU: servelab's Pipeline vs transformers' batched ``generate``, same process.
+"""End-to-end on CPU: servelab's Pipeline vs transformers (batched ``generate`` and continuous
+batching, ``generate_batch``), same process, interleaved.
 
 Workloads (``--workloads``, comma-separated):
 
@@ -10,13 +11,35 @@ Workloads (``--workloads``, comma-separated):
   of 36-264 tokens x 64 new tokens, greedy, float32;
 - ``online``: a heterogeneous online workload on the tiny model: 128 requests,
   Poisson arrivals, prompt and output lengths lognormal. servelab serves them
-  as they arrive (continuous batching) and reports TTFT / TPOT; transformers
-  runs them the way its users would, in fixed batches of ``--hf-batch`` in
-  arrival order, each batch started once its last request has arrived and the
-  previous batch is done (a streamer gives its TTFT / TPOT).
+  as they arrive (continuous batching) and reports TTFT / TPOT. The peer is
+  transformers' own continuous batching (``init_continuous_batching``, the
+  manager behind ``generate_batch``: requests added as they arrive, per-token
+  timestamps), implementation ``transformers-cb``; transformers' fixed-batch
+  ``generate`` (batches of ``--hf-batch`` in arrival order, each started once
+  its last request has arrived and the previous batch is done; a streamer
+  gives its TTFT / TPOT) stays as a second row, ``transformers-fixed-batch``.
 
-For the two batch workloads every repeat runs servelab then transformers
-back to back (medians over ``--repeats``; the machine may be shared, so only
+Peers on the batch workloads: ``transformers`` (left-padded batched
+``generate``, ``attn_implementation="sdpa"``) and ``transformers-cb``
+(``generate_batch``, continuous batching with ``paged|sdpa`` attention; its
+KV cache sized to the workload, as servelab's, since the default sizes it
+from free accelerator memory).
+
+OpenMP: on a machine with more runnable threads than cores, run with
+``OMP_WAIT_POLICY=PASSIVE`` in the environment (it applies to both engines,
+which share the process): with the default policy an idle OpenMP worker
+spins and takes a core from the thread doing the serial work, which made
+2-thread runs 10-15x slower than 1-thread runs for every engine on a 2-core
+machine shared with other jobs. The policy is in each row's ``params``.
+
+Threads: ``--threads 1,2`` runs every engine at each count
+(``torch.set_num_threads``, which the C decode kernel follows too) inside each
+repeat, so all counts and engines share the same stretch of a shared
+machine's time; the engines' order rotates from repeat to repeat. Each row's
+``params`` holds its thread count.
+
+For the two batch workloads every repeat runs every engine back to back
+(medians over ``--repeats``, with p20/p80; the machine may be shared, so only
 ratios within one run are meaningful), greedy with EOS ignored, prefix
 caching off (repeats reuse the prompts), and counts the requests whose
 tokens equal transformers' (its batch is left-padded, so a few may differ in
@@ -28,21 +51,15 @@ reported beside it because it is far less sensitive to other processes on a
 shared machine. Peak RSS of each engine is measured in
 a fresh child process running the workload once (``--no-rss`` skips it).
 
-Threads: ``torch.set_num_threads(--threads)``, default 1, for both engines
-(on a shared 2-core machine one thread gives stable numbers; torch's default
-of one thread per core was slower for both engines when another process
-shared the CPU).
-
     python bench/e2e.py                             # all workloads; rows into bench/results/results.csv
-    python bench/e2e.py --workloads tiny --repeats 5
+    python bench/e2e.py --workloads smollm2,online --threads 1,2 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
+import os
 import resource
 import statistics
 import subprocess
@@ -53,7 +70,11 @@ from pathlib import Path
 
 import torch
 
-from profile_step import build, workload  # noqa: E402 (bench/ is sys.path[0] when run as a script)
+from e2e_peers import (  # noqa: E402 (bench/ is sys.path[0] when run as a script)
+    hf_generate, hf_generate_batch, load_hf, load_hf_cb, make_pipeline, online_requests, serve_online_hf,
+    serve_online_hf_cb, serve_online_servelab,
+)
+from profile_step import build, workload  # noqa: E402
 
 BATCH = {"tiny": dict(num_prompts=16, prompt=(8, 64), max_tokens=32),
          "smollm2": dict(num_prompts=16, prompt=(36, 264), max_tokens=64)}
@@ -73,181 +94,117 @@ def checkpoint(name: str, root: Path) -> tuple[Path, str]:
     return build("tiny", root), "random tiny Llama (hidden 256, 4 layers)"
 
 
-def load_hf(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-
-
-def make_pipeline(path: Path, max_num_seqs: int, max_model_len: int):
-    from servelab import Pipeline
-
-    return Pipeline.from_pretrained(path, attention_backend="sdpa", max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=2048, max_model_len=max_model_len,
-                                    enable_prefix_caching=False)
-
-
-def hf_generate(model, prompts: list[list[int]], max_tokens: int, streamer=None) -> list[list[int]]:
-    """Left-padded batched greedy generate of exactly ``max_tokens`` tokens per prompt."""
-    longest = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
-    return [row[longest:].tolist() for row in out]
-
-
 def batch_prompts(name: str, vocab: int) -> tuple[list[list[int]], int]:
     spec = BATCH[name]
     return workload(spec["num_prompts"], *spec["prompt"], min(vocab, 500), seed=0), spec["max_tokens"]
 
 
-def run_batch(name: str, repeats: int, record: list) -> dict:
+ENGINES = ("servelab", "transformers", "transformers-cb")
+
+
+def run_batch(name: str, repeats: int, threads: list[int], record: list) -> list[dict]:
+    """Every engine at every thread count once per repeat (order rotating); one result per thread count."""
     from servelab.samplers import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         path, what = checkpoint(name, Path(tmp))
-        hf = load_hf(path)
+        hf, hf_cb = load_hf(path), load_hf_cb(path)
         prompts, max_tokens = batch_prompts(name, hf.config.vocab_size)
         pipe = make_pipeline(path, len(prompts), max(map(len, prompts)) + max_tokens + 16)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    runners = {
+        "servelab": lambda: [o.token_ids for o in pipe.generate(prompts, params, detokenize=False)],
+        "transformers": lambda: hf_generate(hf, prompts, max_tokens),
+        "transformers-cb": lambda: hf_generate_batch(hf_cb, prompts, max_tokens),
+    }
     pipe.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     hf_generate(hf, prompts[:2], 2)
+    hf_generate_batch(hf_cb, prompts[:2], 2)
     n_out = len(prompts) * max_tokens
-    ours_tps, hf_tps, ours_cpu, hf_cpu, same = [], [], [], [], 0
-    for _ in range(repeats):
-        start, cpu = time.perf_counter(), time.process_time()
-        outs = pipe.generate(prompts, params, detokenize=False)
-        ours_tps.append(n_out / (time.perf_counter() - start))
-        ours_cpu.append(time.process_time() - cpu)
-        start, cpu = time.perf_counter(), time.process_time()
-        theirs = hf_generate(hf, prompts, max_tokens)
-        hf_tps.append(n_out / (time.perf_counter() - start))
-        hf_cpu.append(time.process_time() - cpu)
-        same = sum(o.token_ids == t for o, t in zip(outs, theirs))
-    result = dict(workload=name, model=what, prompts=len(prompts), max_tokens=max_tokens,
-                  servelab_tps=statistics.median(ours_tps), hf_tps=statistics.median(hf_tps), same=same,
-                  servelab_all=ours_tps, hf_all=hf_tps)
-    result["ratio"] = result["servelab_tps"] / result["hf_tps"]
-    result["cpu_ratio"] = statistics.median(hf_cpu) / statistics.median(ours_cpu)
-    params_row = dict(workload=name, model=what, prompts=len(prompts), max_tokens=max_tokens)
-    for impl, values in (("servelab", ours_tps), ("transformers", hf_tps)):
-        record.append(("e2e", impl, "output_throughput", "tok/s", statistics.median(values), params_row, values))
-    record.append(("e2e", "servelab", "throughput_ratio_vs_transformers", "ratio", result["ratio"], params_row, None))
-    record.append(("e2e", "servelab", "cpu_time_ratio_vs_transformers", "ratio", result["cpu_ratio"], params_row,
-                   None))
-    return result
+    tps = {(e, t): [] for e in ENGINES for t in threads}
+    cpu = {(e, t): [] for e in ENGINES for t in threads}
+    outputs: dict = {}
+    for rep in range(repeats):
+        for t in threads:
+            torch.set_num_threads(t)
+            for k in range(len(ENGINES)):
+                engine = ENGINES[(k + rep) % len(ENGINES)]
+                start, cpu_start = time.perf_counter(), time.process_time()
+                outputs[engine] = runners[engine]()
+                tps[engine, t].append(n_out / (time.perf_counter() - start))
+                cpu[engine, t].append(time.process_time() - cpu_start)
+                print(f"  repeat {rep} threads {t} {engine}: {tps[engine, t][-1]:.1f} tok/s", flush=True)
+    results = []
+    for t in threads:
+        med = {e: statistics.median(tps[e, t]) for e in ENGINES}
+        same = {e: sum(a == b for a, b in zip(outputs[e], outputs["transformers"])) for e in ENGINES}
+        result = dict(workload=name, model=what, prompts=len(prompts), max_tokens=max_tokens, threads=t,
+                      servelab_tps=med["servelab"], hf_tps=med["transformers"], cb_tps=med["transformers-cb"],
+                      same=same["servelab"], cb_same=same["transformers-cb"],
+                      servelab_all=tps["servelab", t], hf_all=tps["transformers", t], cb_all=tps["transformers-cb", t])
+        result["ratio"] = med["servelab"] / med["transformers"]
+        result["cb_ratio"] = med["servelab"] / med["transformers-cb"]
+        result["cpu_ratio"] = statistics.median(cpu["transformers", t]) / statistics.median(cpu["servelab", t])
+        params_row = dict(workload=name, model=what, prompts=len(prompts), max_tokens=max_tokens, threads=t,
+                          repeats=repeats)
+        for engine in ENGINES:
+            record.append(("e2e", engine, "output_throughput", "tok/s", med[engine], params_row, tps[engine, t]))
+        for peer, key in (("transformers", "ratio"), ("transformers-cb", "cb_ratio")):
+            per_repeat = [a / b for a, b in zip(tps["servelab", t], tps[peer, t])]
+            record.append(("e2e", "servelab", f"throughput_ratio_vs_{peer}", "ratio", result[key], params_row,
+                           per_repeat))
+        record.append(("e2e", "servelab", "cpu_time_ratio_vs_transformers", "ratio", result["cpu_ratio"],
+                       params_row, None))
+        results.append(result)
+    if len(threads) > 1:
+        low, high = min(threads), max(threads)
+        for engine in ENGINES:
+            scaling = [b / a for a, b in zip(tps[engine, low], tps[engine, high])]
+            record.append(("e2e", engine, f"scaling_{high}_over_{low}_threads", "ratio", statistics.median(scaling),
+                           dict(workload=name, model=what, threads=f"{low},{high}", repeats=repeats), scaling))
+            results[-1][f"{engine}_scaling"] = statistics.median(scaling)
+    return results
 
 
-# ---- online workload --------------------------------------------------------------------------
-
-def online_requests(n: int, rate: float, seed: int, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(arrival s, prompt ids, output tokens): Poisson arrivals; lognormal lengths
-    (prompt median 48, output median 32, sigma 0.8; clipped to [4, 512] / [2, 256])."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        plen = min(max(int(rng.lognormvariate(math.log(48), 0.8)), 4), 512)
-        olen = min(max(int(rng.lognormvariate(math.log(32), 0.8)), 2), 256)
-        out.append((t, [rng.randrange(3, min(vocab, 500)) for _ in range(plen)], olen))
-    return out
+ONLINE_ENGINES = ("servelab", "transformers-cb", "transformers-fixed-batch")
 
 
-def _latency_stats(arrival, first, last, lengths) -> dict:
-    ttft = [f - a for a, f in zip(arrival, first)]
-    tpot = [(l_ - f) / (n - 1) for f, l_, n in zip(first, last, lengths) if n > 1]
-    return dict(ttft_p50=statistics.median(ttft), ttft_p90=statistics.quantiles(ttft, n=10)[8],
-                tpot_p50=statistics.median(tpot), throughput=sum(lengths) / (max(last) - min(arrival)))
-
-
-def serve_online_servelab(pipe, requests) -> dict:
-    from servelab.samplers import SamplingParams
-
-    start = time.perf_counter()
-    pending = list(range(len(requests)))
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    index: dict[str, int] = {}
-    while pending or pipe.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and requests[pending[0]][0] <= now:
-            i = pending.pop(0)
-            _, prompt, olen = requests[i]
-            rid = pipe.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True),
-                                   detokenize=False)
-            index[rid] = i
-        if not pipe.has_unfinished_requests():
-            time.sleep(max(requests[pending[0]][0] - now, 0.0))
-            continue
-        for event in pipe.step():
-            stamp = time.perf_counter() - start
-            if event.new_token_ids:
-                first.setdefault(event.request_id, stamp)
-                last[event.request_id] = stamp
-    order = sorted(index, key=index.get)
-    return _latency_stats([requests[index[r]][0] for r in order], [first[r] for r in order],
-                          [last[r] for r in order], [requests[index[r]][2] for r in order])
-
-
-class _Stamps:
-    """A transformers streamer recording when each generation step's tokens arrive."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:  # the first call carries the prompt
-            self.prompt_seen = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def serve_online_hf(model, requests, batch_size: int) -> dict:
-    start = time.perf_counter()
-    arrival, first, last, lengths = [], [], [], []
-    for b in range(0, len(requests), batch_size):
-        chunk = requests[b:b + batch_size]
-        wait = chunk[-1][0] - (time.perf_counter() - start)
-        if wait > 0:
-            time.sleep(wait)
-        stamps = _Stamps()
-        hf_generate(model, [p for _, p, _ in chunk], max(o for _, _, o in chunk), streamer=stamps)
-        for a, _, olen in chunk:
-            arrival.append(a)
-            first.append(stamps.times[0] - start)
-            last.append(stamps.times[olen - 1] - start)
-            lengths.append(olen)
-    return _latency_stats(arrival, first, last, lengths)
-
-
-def run_online(args, record: list) -> dict:
+def run_online(args, threads: list[int], record: list) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path, what = checkpoint("tiny", Path(tmp))
-        hf = load_hf(path)
+        hf, hf_cb = load_hf(path), load_hf_cb(path)
         requests = online_requests(args.online_requests, args.online_rate, 0, hf.config.vocab_size)
         pipe = make_pipeline(path, 64, 512 + 256 + 16)
-    runs = {"servelab": [], "transformers": []}
-    for _ in range(args.repeats):
-        runs["servelab"].append(serve_online_servelab(pipe, requests))
-        runs["transformers"].append(serve_online_hf(hf, requests, args.hf_batch))
-    result = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
-                  hf_batch=args.hf_batch)
-    params_row = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
-                      hf_batch=args.hf_batch)
-    for impl, stats in runs.items():
-        for key, unit in (("throughput", "tok/s"), ("ttft_p50", "s"), ("ttft_p90", "s"), ("tpot_p50", "s")):
-            values = [s[key] for s in stats]
-            result[f"{impl}_{key}"] = statistics.median(values)
-            record.append(("e2e", impl, key, unit, result[f"{impl}_{key}"], params_row, values))
-    result["ratio"] = result["servelab_throughput"] / result["transformers_throughput"]
-    record.append(("e2e", "servelab", "throughput_ratio_vs_transformers", "ratio", result["ratio"], params_row, None))
-    return result
+    serve = {"servelab": lambda: serve_online_servelab(pipe, requests),
+             "transformers-cb": lambda: serve_online_hf_cb(hf_cb, requests),
+             "transformers-fixed-batch": lambda: serve_online_hf(hf, requests, args.hf_batch)}
+    runs = {(e, t): [] for e in ONLINE_ENGINES for t in threads}
+    for rep in range(args.repeats):
+        for t in threads:
+            torch.set_num_threads(t)
+            for k in range(len(ONLINE_ENGINES)):
+                engine = ONLINE_ENGINES[(k + rep) % len(ONLINE_ENGINES)]
+                runs[engine, t].append(serve[engine]())
+                print(f"  online repeat {rep} threads {t} {engine}: {runs[engine, t][-1]['throughput']:.1f} tok/s",
+                      flush=True)
+    results = []
+    for t in threads:
+        result = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
+                      hf_batch=args.hf_batch, threads=t)
+        params_row = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
+                          hf_batch=args.hf_batch, threads=t, repeats=args.repeats)
+        for engine in ONLINE_ENGINES:
+            for key, unit in (("throughput", "tok/s"), ("ttft_p50", "s"), ("ttft_p90", "s"), ("tpot_p50", "s")):
+                values = [s[key] for s in runs[engine, t]]
+                result[f"{engine}_{key}"] = statistics.median(values)
+                record.append(("e2e", engine, key, unit, result[f"{engine}_{key}"], params_row, values))
+        for peer in ONLINE_ENGINES[1:]:
+            per_repeat = [a["throughput"] / b["throughput"] for a, b in zip(runs["servelab", t], runs[peer, t])]
+            result[f"ratio_{peer}"] = result["servelab_throughput"] / result[f"{peer}_throughput"]
+            record.append(("e2e", "servelab", f"throughput_ratio_vs_{peer}", "ratio", result[f"ratio_{peer}"],
+                           params_row, per_repeat))
+        results.append(result)
+    return results
 
 
 # ---- peak memory in a child process ---------------------------------------------------------
@@ -285,32 +242,44 @@ def peak_rss(engine: str, name: str, threads: int) -> float:
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss_mib"]
 
 
-def report(results: list[dict], rss: dict, threads: int) -> str:
+def _range(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
+def report(results: list[dict], rss: dict, threads: list[int]) -> str:
     import datetime
     import platform
 
-    lines = [f"# End-to-end on CPU ({datetime.date.today()}, {platform.machine()}, {threads} torch thread(s), "
-             f"torch {torch.__version__})", "",
-             "| workload | model | servelab tok/s | transformers tok/s | ratio (wall) | ratio (CPU time) | "
-             "identical outputs | peak RSS servelab / transformers (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"# End-to-end on CPU ({datetime.date.today()}, {platform.machine()}, torch thread counts "
+             f"{threads}, torch {torch.__version__})", "",
+             "| workload | model | threads | servelab tok/s (range) | transformers generate tok/s | "
+             "transformers generate_batch tok/s | vs generate | vs generate_batch | CPU-time ratio | identical "
+             "outputs | peak RSS servelab / transformers (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["workload"] == "online":
             continue
         mem = rss.get(r["workload"])
         mem_text = f"{mem[0]:.0f} / {mem[1]:.0f}" if mem else "-"
         lines.append(f"| {r['prompts']} prompts x {r['max_tokens']} tokens ({r['workload']}) | {r['model']} | "
-                     f"{r['servelab_tps']:.1f} | {r['hf_tps']:.1f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | "
-                     f"{r['same']}/{r['prompts']} | {mem_text} |")
+                     f"{r['threads']} | {r['servelab_tps']:.1f} ({_range(r['servelab_all'])}) | {r['hf_tps']:.1f} "
+                     f"({_range(r['hf_all'])}) | {r['cb_tps']:.1f} ({_range(r['cb_all'])}) | **{r['ratio']:.2f}x** | "
+                     f"**{r['cb_ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | {r['same']}/{r['prompts']} "
+                     f"(generate_batch {r['cb_same']}/{r['prompts']}) | {mem_text} |")
+        for engine in ENGINES:
+            if f"{engine}_scaling" in r:
+                lines.append(f"\n{engine}: {max(threads)}-thread / {min(threads)}-thread throughput "
+                             f"{r[f'{engine}_scaling']:.2f}x ({r['workload']}).")
     for r in results:
         if r["workload"] != "online":
             continue
-        lines += ["", f"Online: {r['requests']} requests, Poisson {r['rate']}/s, lognormal lengths, {r['model']}; "
-                  f"transformers in fixed batches of {r['hf_batch']}.", "",
+        lines += ["", f"Online, {r['threads']} thread(s): {r['requests']} requests, Poisson {r['rate']}/s, lognormal "
+                  f"lengths, {r['model']}.", "",
                   "| engine | throughput tok/s | TTFT p50 s | TTFT p90 s | TPOT p50 ms |", "|---|---|---|---|---|"]
-        for impl in ("servelab", "transformers"):
-            lines.append(f"| {impl} | {r[f'{impl}_throughput']:.1f} | {r[f'{impl}_ttft_p50']:.3f} | "
-                         f"{r[f'{impl}_ttft_p90']:.3f} | {1e3 * r[f'{impl}_tpot_p50']:.2f} |")
-        lines.append(f"\nThroughput ratio: **{r['ratio']:.2f}x**.")
+        for engine in ONLINE_ENGINES:
+            lines.append(f"| {engine} | {r[f'{engine}_throughput']:.1f} | {r[f'{engine}_ttft_p50']:.3f} | "
+                         f"{r[f'{engine}_ttft_p90']:.3f} | {1e3 * r[f'{engine}_tpot_p50']:.2f} |")
+        lines.append(f"\nThroughput ratio: **{r['ratio_transformers-cb']:.2f}x** vs continuous batching, "
+                     f"{r['ratio_transformers-fixed-batch']:.2f}x vs fixed batches of {r['hf_batch']}.")
     return "\n".join(lines)
 
 
@@ -318,18 +287,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="tiny,smollm2,online")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--online-requests", type=int, default=128)
     parser.add_argument("--online-rate", type=float, default=64.0,
                         help="Poisson arrivals per second (64: above capacity, so throughput measures the engine)")
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--no-record", action="store_true",
-                        help="print only: no rows in results.csv, no report file unless --out is given")
-    parser.add_argument("--out", default=None, help="markdown file (default bench/results/<date>-e2e-cpu.md)")
+                        help="print only: no rows in results.csv")
+    parser.add_argument("--out", default=None, help="also write the printed report to this markdown file (the "
+                        "record is the rows of results.csv: python bench/plot.py --markdown --component e2e)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
     names = args.workloads.split(",")
     if args.child:
         child(args.child, names[0])
@@ -337,35 +308,35 @@ def main() -> int:
     record: list = []
     results = []
     for name in names:
-        results.append(run_online(args, record) if name == "online" else run_batch(name, args.repeats, record))
-        print(json.dumps({k: v for k, v in results[-1].items()}, default=str), flush=True)
+        got = run_online(args, threads, record) if name == "online" else run_batch(name, args.repeats, threads, record)
+        results += got
+        for r in got:
+            print(json.dumps(r, default=str), flush=True)
     rss = {}
     if not args.no_rss:
         for name in names:
             if name != "online":
-                rss[name] = (peak_rss("servelab", name, args.threads), peak_rss("transformers", name, args.threads))
+                rss[name] = (peak_rss("servelab", name, threads[0]), peak_rss("transformers", name, threads[0]))
                 for impl, value in zip(("servelab", "transformers"), rss[name]):
-                    record.append(("e2e", impl, "peak_rss", "MiB", value, dict(workload=name), None))
-    text = report(results, rss, args.threads)
+                    record.append(("e2e", impl, "peak_rss", "MiB", value, dict(workload=name, threads=threads[0]),
+                                   None))
+    text = report(results, rss, threads)
     print("\n" + text)
-    import datetime
-
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"{datetime.date.today()}-e2e-cpu.md"
-    if args.out or not args.no_record:  # an exploratory --no-record run leaves the saved report alone
-        out.write_text(text + "\n")
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     if not args.no_record:
         from results_io import append_rows, make_row
 
         rows = []
         for component, impl, metric, unit, value, params, values in record:
-            params = dict(params, threads=args.threads)
+            params = dict(params, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
             extra = {}
             if values and len(values) > 1:
                 q = statistics.quantiles(values, n=10, method="inclusive")
                 extra = dict(p20=q[1], p50=statistics.median(values), p80=q[7])
             rows.append(make_row(component, impl, metric, unit, value, params=params, **extra))
         append_rows(rows)
-        print(f"{len(rows)} rows appended to results.csv; report in {out}")
+        print(f"{len(rows)} rows appended to results.csv")
     return 0
 
 

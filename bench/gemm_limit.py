@@ -19,13 +19,18 @@ has faulted its pool's pages in long ago; a fresh pool would add a page
 fault to the first write of every page, about 4 ms of a 110 ms batch-16
 step on SmolLM2).
 
-Threads: ``--threads`` (default 1) is passed to ``torch.set_num_threads``
-for both timings; one thread keeps a shared 2-core machine's numbers stable.
+Threads: ``--threads 1,2`` (default 1) times every batch at each count
+(``torch.set_num_threads``, which the C decode kernel follows too), the
+counts alternating within each round so that they share the same stretch of
+a shared machine's time; each row's ``params`` holds its count and the
+OpenMP wait policy (``OMP_WAIT_POLICY=PASSIVE`` on a machine shared with
+other jobs: see ``bench/e2e.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -61,30 +66,35 @@ def gemm_only(model, batch: int, steps: int) -> list[float]:
     return times[2:]
 
 
-def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: int) -> tuple[list[float], list[float]]:
-    """Seconds per ``Pipeline.step()`` once every request is decoding, and per GEMM-only
-    step, measured in alternating rounds of ``steps`` each (a shared machine's speed
-    drifts over seconds; interleaving gives both the same conditions)."""
+def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: int,
+                    threads: list[int]) -> dict[int, tuple[list[float], list[float]]]:
+    """Per thread count: seconds per ``Pipeline.step()`` once every request is decoding, and
+    per GEMM-only step, measured in alternating rounds of ``steps`` each (a shared machine's
+    speed drifts over seconds; interleaving gives both, and every thread count, the same
+    conditions)."""
     from servelab.samplers import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=rounds * steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * steps * len(threads) + 8, ignore_eos=True)
     rids = [pipe.add_request(p, params, detokenize=False) for p in prompts]
     scheduler = pipe.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    times, gemms = [], []
+    out: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in threads}
     for _ in range(rounds):
-        for _ in range(steps):
-            start = time.perf_counter()
-            pipe.step()
-            times.append(time.perf_counter() - start)
-        gemms += gemm_only(model, len(prompts), steps)
+        for t in threads:
+            torch.set_num_threads(t)
+            times, gemms = out[t]
+            for _ in range(steps):
+                start = time.perf_counter()
+                pipe.step()
+                times.append(time.perf_counter() - start)
+            gemms += gemm_only(model, len(prompts), steps)
     for rid in rids:
         pipe.abort_request(rid)
     while pipe.has_unfinished_requests():
         pipe.step()
-    return times, gemms
+    return out
 
 
 def main() -> int:
@@ -95,10 +105,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="decode steps (and GEMM-only steps) per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode and GEMM-only timing")
     parser.add_argument("--backend", default="sdpa")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
     from servelab import Pipeline
     from servelab.models import load_model
 
@@ -117,22 +128,26 @@ def main() -> int:
     # first write to a page is a page fault inside the timed decode step.
     pipe.kv_caches.buffer.zero_()
     rows, lines = [], []
-    print(f"model {args.model}, backend {args.backend}, {args.threads} thread(s), context {args.context}\n")
-    print("| batch | decode step ms (p50) | GEMM-only ms (p50) | step / GEMM |\n|---|---|---|---|")
+    print(f"model {args.model}, backend {args.backend}, threads {threads}, context {args.context}\n")
+    print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms (p20/p50/p80) | step / GEMM |\n"
+          "|---|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
-        step_times, gemm_times = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds)
-        step, gemm = percentiles(step_times), percentiles(gemm_times)
-        ratio = step[1] / gemm[1]
-        print(f"| {batch} | {1e3 * step[1]:.2f} | {1e3 * gemm[1]:.2f} | {ratio:.2f} |")
-        params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend,
-                      threads=args.threads)
-        rows += [
-            ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
-            ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
-            ("step_over_gemm", "ratio", ratio, None),
-        ]
-        lines.append((params, rows[-3:]))
+        timed = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds, threads)
+        for t in threads:
+            step, gemm = percentiles(timed[t][0]), percentiles(timed[t][1])
+            ratio = step[1] / gemm[1]
+            print(f"| {batch} | {t} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} |", flush=True)
+            params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend, threads=t,
+                          steps=args.steps * args.rounds,
+                          omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
+            rows += [
+                ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
+                ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
+                ("step_over_gemm", "ratio", ratio, None),
+            ]
+            lines.append((params, rows[-3:]))
     if not args.no_record:
         from results_io import append_rows, make_row
 

@@ -5,7 +5,7 @@ Three frozen sections and two top-level settings::
     PipelineConfig(
         cache=CacheConfig(block_size=16, num_blocks=None, enable_prefix_caching=True,
                           kv_cache_memory_bytes=None, eviction_policy="lru", kv_cache_groups="auto"),
-        scheduler=SchedulingConfig(policy="fcfs", max_num_seqs=64, max_num_batched_tokens=512,
+        scheduler=SchedulingConfig(policy="fcfs", max_num_seqs=256, max_num_batched_tokens=2048,
                                    long_prefill_token_threshold=0, max_model_len=None,
                                    enable_chunked_prefill=True),
         speculative=SpeculativeConfig(drafter=None, num_speculative_tokens=0, verifier="rejection"),
@@ -18,8 +18,9 @@ parity). ``Pipeline(model, block_size=8, policy="sjf")`` is
 ``Pipeline(model, config=PipelineConfig.from_kwargs(block_size=8, policy="sjf"))``;
 the flat names are the section fields (:func:`flat_names` lists them).
 The scheduler's :class:`~servelab.scheduling.SchedulerConfig` is derived from
-this object (:meth:`PipelineConfig.scheduler_config`), never defaulted on
-its own.
+this object (:meth:`PipelineConfig.scheduler_config`), and the scheduling
+section's defaults are ``SchedulerConfig``'s own (one set of defaults for the
+pipeline, a standalone ``Scheduler`` and the simulator).
 
 Every field is checked when the object is built, naming the field, the
 value and what is valid: ``TypeError`` for a wrong type (``seed=1.5``) or an
@@ -43,7 +44,7 @@ from typing import Any
 
 from servelab._internal.validation import check_bool, check_int
 
-__all__ = ["CacheConfig", "PipelineConfig", "SchedulingConfig", "SpeculativeConfig", "flat_names"]
+__all__ = ["CacheConfig", "PipelineConfig", "SchedulerConfig", "SchedulingConfig", "SpeculativeConfig", "flat_names"]
 
 
 def _int(section: str, name: str, value: object, minimum: int, *, optional: bool = False) -> None:
@@ -70,6 +71,64 @@ def _name_or_object(section: str, name: str, value: object, *, optional: bool = 
     if value is None or isinstance(value, (bool, int, float)):
         raise TypeError(f"{section}.{name}={value!r} is invalid; valid: a registered name or an object"
                         + (" (or None)" if optional else ""))
+
+
+# ---- the scheduler's limits: servelab's one set of scheduling defaults ----------------------
+
+def _check_sched_int(name: str, value: object, minimum: int) -> None:
+    check_int(f"SchedulerConfig.{name}", value, min_value=minimum)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one ``schedule()`` call (the defaults are servelab's only ones;
+    see the module docstring).
+
+    Attributes:
+        max_num_batched_tokens: token budget of one step (prompt chunks,
+            decode tokens and draft tokens together).
+        max_num_seqs: most requests running at once (a model runner's batch
+            slots).
+        max_model_len: longest sequence (prompt + output) a request may reach;
+            longer prompts are rejected by ``add_request``, and output stops
+            with finish reason ``"length"`` when it is reached.
+        enable_chunked_prefill: split prompts over steps. When False a prompt
+            is computed in one step, so the budget must hold the longest one
+            (``max_num_batched_tokens >= max_model_len``).
+        long_prefill_token_threshold: most tokens one request gets per step
+            (0: no cap). Keeps one long prompt from taking a whole step while
+            decodes wait behind it. Needs chunked prefill.
+        num_speculative_tokens: drafts per request and step (0: no speculative
+            decoding). Each running request is given this many lookahead KV
+            slots so a drafter can write its draft tokens' KV.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_sched_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_sched_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_sched_int("max_model_len", self.max_model_len, 1)
+        _check_sched_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_sched_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        check_bool("SchedulerConfig.enable_chunked_prefill", self.enable_chunked_prefill)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len} with enable_chunked_prefill=False, so a long prompt "
+                "could never be scheduled; raise max_num_batched_tokens, lower max_model_len or enable "
+                "chunked prefill"
+            )
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold={self.long_prefill_token_threshold} splits prompts, "
+                "which enable_chunked_prefill=False forbids; set it to 0 or enable chunked prefill"
+            )
 
 
 KV_CACHE_GROUPS = ("auto", "uniform")
@@ -128,7 +187,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulingConfig:
-    """Scheduling limits and policy (the source of ``scheduling.SchedulerConfig``).
+    """Scheduling limits and policy (the source of ``scheduling.SchedulerConfig``;
+    every limit's default is ``SchedulerConfig``'s, so there is one set of defaults).
 
     Attributes:
         policy: scheduling policy name (``"fcfs"``, ``"priority"``, ``"sjf"``,
@@ -144,11 +204,11 @@ class SchedulingConfig:
     """
 
     policy: Any = "fcfs"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    long_prefill_token_threshold: int = 0
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
 
     def __post_init__(self) -> None:
         _name_or_object("SchedulingConfig", "policy", self.policy)
@@ -280,11 +340,9 @@ class PipelineConfig:
         out.update((name, getattr(self, name)) for name in _TOP_LEVEL)
         return out
 
-    def scheduler_config(self, max_model_len: int) -> Any:
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The :class:`~servelab.scheduling.SchedulerConfig` of this config, with
         ``max_model_len`` resolved against the model (the pipeline does that)."""
-        from servelab.scheduling.config import SchedulerConfig
-
         s = self.scheduler
         return SchedulerConfig(
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,

@@ -40,3 +40,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache_in_tmp(tmp_path_factory):
+    """Compiled kernels (``servelab.attention.cpu_kernel_build``) go to a temporary folder,
+    never the user's cache (checkpoints are still found under the usual cache root)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SERVELAB_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    yield
+    patch.undo()

@@ -6,8 +6,12 @@
 Steps: measure the device's copy bandwidth, then import every
 ``bench/gpu/sec_*.py`` (sorted by name) and call its ``run(ctx)``; each
 section checks its kernels against their references on fresh random data and
-times them against peers. The table is printed last and written to
-``bench/results/<date>-<card>.md`` and ``.csv``.
+times them against peers. The table is printed last and every row is appended
+to ``bench/results/results.csv`` through :mod:`servelab.results` (the project's
+one results schema: component ``gpu-<section>``, the implementation, metric
+``time`` in ms — or ``copy_bandwidth`` in GB/s for the device row —, the case,
+bandwidth, peer ratio and check in ``params``, device ``cuda:<card>``); with
+``--out-dir`` (and always with ``--cpu-smoke``) to ``<out-dir>/results.csv``.
 
 Section contract: ``run(ctx) -> list[dict]``; each row has the keys of
 ``ROW_KEYS`` (``None`` where not applicable) and may add its own (extra
@@ -20,11 +24,9 @@ the table is written; the other sections still run.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as _dt
 import importlib.util
 import os
-import re
 import sys
 import tempfile
 import time
@@ -140,18 +142,30 @@ def render_markdown(rows: list[dict], header_lines: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(rows: list[dict], markdown: str, out_dir: Path, card: str) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{_dt.date.today().isoformat()}-{re.sub(r'[^A-Za-z0-9]+', '-', card).strip('-') or 'unknown'}"
-    md_path, csv_path = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
-    md_path.write_text(markdown)
-    columns = list(ROW_KEYS) + sorted({k for r in rows for k in r} - set(ROW_KEYS))
-    with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: row.get(c) for c in columns})
-    return md_path, csv_path
+def results_rows(rows: list[dict], card: str, *, smoke: bool) -> list[dict]:
+    """The table's rows in the project's one results schema (:func:`servelab.results.make_row`);
+    rows without a number (a crashed section) are left out (they are in the printed table)."""
+    from servelab.results import make_row
+
+    device = "cpu" if smoke else f"cuda:{card}"
+    out = []
+    for row in rows:
+        metric, unit, value = ("time", "ms", row.get("ms")) if row.get("ms") is not None else \
+            ("copy_bandwidth", "GB/s", row.get("gbps"))
+        if not isinstance(value, (int, float)):
+            continue
+        params = {k: v for k, v in row.items() if k not in ("section", "impl", "ms") and v is not None}
+        params["card"] = card
+        out.append(make_row(f"gpu-{row['section']}", str(row.get("impl") or "?"), metric, unit, float(value),
+                            params=params, device=device))
+    return out
+
+
+def write_results(rows: list[dict], out_dir: Path | None, card: str, *, smoke: bool) -> Path | None:
+    """Append the rows to the results CSV (``out_dir/results.csv`` when given); returns its path."""
+    from servelab.results import append_rows
+
+    return append_rows(results_rows(rows, card, smoke=smoke), None if out_dir is None else out_dir / "results.csv")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dry-run the script's Python on CPU under TRITON_INTERPRET=1 at tiny sizes")
     parser.add_argument("--only", nargs="*", help="section names to run (e.g. attention sampling)")
     parser.add_argument("--out-dir", type=Path, default=None,
-                        help="where to write the table (default bench/results; a temp dir with --cpu-smoke)")
+                        help="write rows to OUT_DIR/results.csv (default bench/results/results.csv; a temp "
+                             "dir with --cpu-smoke)")
     args = parser.parse_args(argv)
 
     # Triton decides interpreter vs GPU when kernels are imported: set it first.
@@ -204,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
               f"copy bandwidth {copy_gbps:.1f} GB/s (read + write); total {elapsed:.0f} s",
               "vs_peer: peer time / our time (> 1: ours is faster); frac_copy_bw: gbps / copy bandwidth."]
     markdown = render_markdown(rows, header)
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="servelab-smoke-")) if args.cpu_smoke
-                               else REPO / "bench" / "results")
-    md_path, csv_path = write_results(rows, markdown, out_dir, card)
+    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="servelab-smoke-")) if args.cpu_smoke else None)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = write_results(rows, out_dir, card, smoke=args.cpu_smoke)
     print(markdown)
-    print(f"wrote {md_path} and {csv_path}")
+    print(f"appended {len(rows)} rows to {csv_path}")
     if failures:
         print("FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from servelab._internal.registry import Registry
+from servelab.attention import cpu_decode
 
 __all__ = [
     "AttentionBackend",
@@ -294,6 +295,14 @@ class SdpaAttentionBackend(AttentionBackend):
 
         return paged_attention(*args, **kwargs)
 
+    def prepare(self, query: torch.Tensor, key_cache: torch.Tensor) -> None:
+        """Called once when a pipeline is built (``query`` ``[1, Hq, D]``, ``key_cache`` the
+        pool's): builds and loads the C decode kernel now when the decode path may use it, so
+        that the first decode step is not a compile (:mod:`servelab.attention.cpu_decode`)."""
+        group = query.shape[1] // max(key_cache.shape[-2], 1)
+        if query.device.type == "cpu" and query.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            cpu_decode.supports(torch.float32, query.shape[-1], group, query.device)  # float32 compute
+
 
 def _triton_installed() -> bool:
     try:
@@ -444,10 +453,19 @@ def get_attention_backend(name_or_obj: Any) -> AttentionBackend:
     return backend
 
 
-def default_attention_backend(device: torch.device | str = "cpu") -> str:
-    """The backend ``"auto"`` means on ``device``: ``"triton"`` where its kernels
-    can launch natively (CUDA with Triton installed), else ``"sdpa"``."""
+def default_attention_backend(device: torch.device | str = "cpu", *, query: torch.Tensor | None = None,
+                              key_cache: torch.Tensor | None = None, sliding_window: int | None = None,
+                              softcap: float | None = None) -> str:
+    """The one ``"auto"`` rule: ``"triton"`` where its kernels can launch natively
+    (CUDA with Triton installed), else ``"sdpa"``; and, given a probe of the model
+    (``query`` ``[1, H, D]`` and ``key_cache`` ``[1, block_size, Hkv, D]`` in its
+    dtype, its window and soft-cap), ``"torch"`` (the references, which run
+    everything) when that backend's ``supports()`` refuses the model."""
     device = torch.device(device)
+    name = "sdpa"
     if device.type == "cuda" and triton_device_problem(device, interpreted=False) is None:
-        return "triton"
-    return "sdpa"
+        name = "triton"
+    if query is None or key_cache is None:
+        return name
+    reason = get_attention_backend(name).supports(query, key_cache, sliding_window=sliding_window, softcap=softcap)
+    return name if reason is None else "torch"

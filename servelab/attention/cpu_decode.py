@@ -1,4 +1,4 @@
-"""A C kernel for decode attention on a CPU, built on first use with the system compiler.
+"""A C kernel for decode attention on a CPU, built with the system compiler.
 
 The ``"sdpa"`` backend's carried decode path (:mod:`servelab.attention.decode_kv`)
 spends most of its attention time in two skinny products per KV head,
@@ -8,56 +8,59 @@ fraction of the machine's copy bandwidth (SmolLM2-135M, 16 sequences of ~160
 tokens, data cold as it is in a real step: ~250 us per product and layer for
 ~2 MB). ``csrc/decode_attention.c`` loads every K and V element once, in
 address order, into vector registers and reuses it for the ``G`` query heads
-of its group: ~150 us for the scores, ~130 us for the values (softmax stays
-in torch).
+of its group: ~150 us for the scores, ~130 us for the values (one thread).
+:func:`attend` runs scores, softmax and values of each head back to back in
+one parallel region (one team wake-up per layer instead of three, and the
+head's scores still in cache for its values); its softmax is the kernel's
+own (a polynomial ``exp``, within 2 ulp of ``expf``), so it differs from
+``torch.softmax`` in the last bits, like any other summation order.
 
-Build. The source is compiled once per machine with ``$CC`` (default ``cc``),
-``-O3 -march=native -shared -fPIC`` (``-march=native`` dropped if the compiler
-refuses it), into ``<cache root>/kernels/`` (:func:`servelab._internal.paths.cache_root`)
-under a name that hashes the source, the compiler's version, the flags and the
-CPU, and loaded with :mod:`ctypes`. No compiler, a failed build, or
+Threads. Both products split the heads (sequences x KV heads) into
+contiguous ranges of equal work, one per thread, with OpenMP when the
+compiler has it; the thread count is ``torch.get_num_threads()`` at each
+call (the library shares torch's OpenMP runtime, so torch's threads and the
+kernel's are the same threads: no oversubscription). Every head is computed
+by one thread in a fixed order, so results are bit-identical for any thread
+count.
+
+Build (:mod:`servelab.attention.cpu_kernel_build`): compiled once per
+machine into the cache, keyed by the compiler's *resolved* target features,
+verified in a child process before the first load in a process; done when a
+pipeline with the ``"sdpa"`` backend is constructed, or ahead of time with
+``servelab build-kernels``. No compiler, a failed build or verification, or
 ``SERVELAB_CPU_KERNELS=0`` in the environment: :func:`available` is False
-(with one warning, for a failed build) and the torch formulation runs instead;
-results differ only in float rounding (both are checked against float64).
+(with one warning, for a failed build) and the torch formulation runs
+instead; results differ only in float rounding (both are checked against
+float64).
 
 Scope: float32, contiguous CPU tensors, ``head_size % 16 == 0``,
-``1 <= group <= 8``. Single-threaded (the bmm it replaces was single-threaded
-in the benchmarks too: ``torch.set_num_threads(1)``).
+``1 <= group <= 8``.
 
-:func:`decode_scores` and :func:`decode_pv` check their arguments; the decode
-path calls the unchecked ``_scores`` / ``_pv`` / ``_append`` on tensors it
-built itself (the new rows' cache slots are range-checked once per step).
+Interface. :func:`decode_scores` and :func:`decode_pv` check their
+arguments. :func:`attend` and :func:`append_newest` are the decode path's
+interface (:class:`servelab.attention.decode_kv.DecodeKV`): they trust their
+caller, which built every tensor itself and range-checks the new rows' cache
+slots once per step, because per-layer checks would cost more than the
+kernel saves.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 import warnings
-from pathlib import Path
 
 import torch
 
-from servelab._internal.paths import cache_root
-
 from servelab._internal.attention_checks import _positive_finite, _require_ndim, _require_tensor
 from servelab._internal.validation import check_int
+from servelab.attention import cpu_kernel_build
+from servelab.attention.cpu_kernel_build import KernelBuildError
 
 ENV_SWITCH = "SERVELAB_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 LANES = 16
 MAX_GROUP = 8
-_ABI_VERSION = 3
 
-_library: ctypes.CDLL | None = None
-_tried = False
-_lock = threading.Lock()
+_warned = False
 
 
 def supports(dtype: torch.dtype, head_size: int, group: int, device: torch.device) -> bool:
@@ -67,75 +70,28 @@ def supports(dtype: torch.dtype, head_size: int, group: int, device: torch.devic
 
 
 def available() -> bool:
-    """The kernel is enabled (``SERVELAB_CPU_KERNELS`` is not ``0``) and built; builds on first call."""
+    """The kernel is enabled (``SERVELAB_CPU_KERNELS`` is not ``0``), built and verified;
+    builds on the first call in a process (one warning if that fails)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    return _load() is not None
+    return _library() is not None
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _tried
-    if _tried:
-        return _library
-    with _lock:  # one build per process, even when two threads start decoding at once
-        if not _tried:
-            try:
-                _library = _bind(ctypes.CDLL(str(_build())))
-            except (OSError, subprocess.SubprocessError, RuntimeError) as error:
-                warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the "
-                              f"torch formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning,
-                              stacklevel=3)
-            _tried = True
-    return _library
-
-
-def _cpu_id() -> str:
+def _library():
+    global _warned
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return cpu_kernel_build.load().library
+    except KernelBuildError as error:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the torch "
+                          f"formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning, stacklevel=4)
+        return None
 
 
-def _build() -> Path:
-    """Compile :data:`SOURCE` into the cache (once per source, compiler and CPU); returns the library path."""
-    compiler = os.environ.get("CC", "cc")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler ({compiler!r} not found; set CC)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_bytes()
-    out_dir = cache_root() / "kernels"
-    for flags in (["-O3", "-march=native"], ["-O3"]):
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
-                                         _cpu_id().encode()])).hexdigest()[:16]
-        target = out_dir / f"decode_attention-{key}.so"
-        if target.is_file():
-            return target
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # a concurrent build never sees a partial file
-            partial = Path(tmp) / target.name
-            done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial), str(SOURCE)],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(partial, target)
-                return target
-            error = done.stderr.strip().splitlines()[-1:] or ["unknown error"]
-    raise RuntimeError(f"{compiler} failed: {error[0]}")
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    if lib.servelab_abi_version() != _ABI_VERSION:
-        raise RuntimeError("stale kernel library (ABI version mismatch)")
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.servelab_decode_scores.argtypes = [p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float]
-    lib.servelab_decode_scores.restype = None
-    lib.servelab_decode_pv.argtypes = [p, p, p, p, i, i, i, i, i, i]
-    lib.servelab_decode_pv.restype = None
-    lib.servelab_decode_append.argtypes = [p, p, p, p, p, p, i, i, i, i]
-    lib.servelab_decode_append.restype = None
-    return lib
+def uses_openmp() -> bool:
+    """Whether the loaded kernel runs its heads on several threads (built with OpenMP)."""
+    return available() and cpu_kernel_build.load().openmp
 
 
 # ---- layouts --------------------------------------------------------------------------------
@@ -165,27 +121,56 @@ def _scores(q: torch.Tensor, row_stride: int, group: int, tiles: torch.Tensor, l
     contiguous): a contiguous ``[H, G, D]``, or a fused QKV output's query slice ``[rows, Hq, D]``."""
     heads, head_size = tiles.shape[0], tiles.shape[2]
     out = torch.empty(heads, group, width, dtype=torch.float32)
-    _library.servelab_decode_scores(q.data_ptr(), row_stride, tiles.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                                    heads, kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale)
+    _library().servelab_decode_scores(q.data_ptr(), row_stride, tiles.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                      heads, kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale,
+                                      torch.get_num_threads())
     return out
 
 
 def _pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int) -> torch.Tensor:
     heads, group, width = p.shape
     out = torch.empty(heads, group, values.shape[-1], dtype=p.dtype)
-    _library.servelab_decode_pv(p.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
-                                kv_per_row, group, values.shape[-1], values.shape[1], width)
+    _library().servelab_decode_pv(p.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
+                                  kv_per_row, group, values.shape[-1], values.shape[1], width,
+                                  torch.get_num_threads())
     return out
 
 
-def _append(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
-            tiles: torch.Tensor, values: torch.Tensor) -> None:
+def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int,
+           width: int, scale: float) -> torch.Tensor:
+    """Decode attention of every row's query heads over its first ``lens`` positions (unchecked:
+    the caller guarantees the layout; :func:`decode_scores` / :func:`decode_pv` are the checked ops).
+
+    Args:
+        q: float32, ``[rows, kv_per_row * G, D]`` with heads and dimensions contiguous and rows
+            any stride (a fused QKV output's query slice is read in place);
+        tiles: float32 ``[H, cap/16, D, 16]`` (:func:`tile_keys`), ``H = rows * kv_per_row``;
+        values: float32 ``[H, cap, D]``; lens: int64 ``[rows]``, ``1 <= lens <= width <= cap``;
+        width: score columns (the longest length); scale: softmax scale.
+
+    Returns: float32 ``[H, G, D]``.
+    """
+    heads, head_size = tiles.shape[0], tiles.shape[2]
+    group = q.shape[1] // kv_per_row
+    scores = torch.empty(heads, group, width, dtype=torch.float32)  # workspace
+    out = torch.empty(heads, group, head_size, dtype=torch.float32)
+    _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
+                                         lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
+                                         group, head_size, tiles.shape[1] * LANES, width, scale,
+                                         torch.get_num_threads())
+    return out
+
+
+def append_newest(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                  tiles: torch.Tensor, values: torch.Tensor) -> None:
     """Copy position ``lens[r] - 1`` of every row from the flattened caches ``[slots, Hk, D]``
-    (float32, contiguous; ``slots`` int64 ``[rows]``, in range) into ``tiles`` / ``values``."""
+    (float32, contiguous; ``slots`` int64 ``[rows]``, in range: unchecked) into ``tiles``
+    (``[rows * Hk, cap/16, D, 16]``, any view of it) and ``values`` (``[rows, Hk, cap, D]``)."""
     rows = slots.shape[0]
     heads, cap, head_size = values.shape[0] * values.shape[1], values.shape[2], values.shape[3]
-    _library.servelab_decode_append(key_rows.data_ptr(), value_rows.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-                                    tiles.data_ptr(), values.data_ptr(), rows, heads // rows, head_size, cap)
+    _library().servelab_decode_append(key_rows.data_ptr(), value_rows.data_ptr(), slots.data_ptr(),
+                                      lens.data_ptr(), tiles.data_ptr(), values.data_ptr(), rows, heads // rows,
+                                      head_size, cap)
 
 
 def _check(name: str, t: object, dim: int) -> None:

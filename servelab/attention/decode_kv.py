@@ -50,7 +50,7 @@ starts over.
 
 Padding: the buffers keep the rows sorted by length and attention runs per
 length bucket (the exact least-padding split of
-:func:`~servelab.attention.sdpa.bucket_sequences`, cut once per carried
+:func:`~servelab.attention.buckets.bucket_sequences`, cut once per carried
 batch), so compute is not padded to the longest context; memory is (every
 row has ``cap`` positions). A step whose padded size exceeds
 :data:`MAX_PADDING` times its real size, or whose buffers would exceed
@@ -62,6 +62,7 @@ from __future__ import annotations
 import torch
 
 from servelab.attention import cpu_decode
+from servelab.attention import buckets as bucketing
 from servelab.attention.cpu_decode import tiled_index
 
 MAX_PADDING = 4.0
@@ -85,7 +86,7 @@ class DecodeKV:
     Built by :func:`plan_decode_kv`; one instance per step, handed to the
     next step's plan. The buffers keep the sequences sorted by context length
     ("buffer rows"), so a run of similar lengths is a contiguous slice and
-    attention goes bucket by bucket (:func:`~servelab.attention.sdpa.bucket_sequences`
+    attention goes bucket by bucket (:func:`~servelab.attention.buckets.bucket_sequences`
     cuts the runs, once per carried batch): a short context never reads a long
     one's padding. Tensors:
 
@@ -211,7 +212,7 @@ class DecodeKV:
         the caches allow it, else a gather and a scatter per buffer."""
         dense_k, dense_v, kernel = buffers
         if kernel and self._direct_append(flat_k, flat_v, compute):
-            return cpu_decode._append(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
+            return cpu_decode.append_newest(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
         num_kv_heads, head_size = flat_k.shape[1:]
         for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
                                                (dense_k, dense_v), (flat_k, flat_v)):
@@ -237,11 +238,10 @@ class DecodeKV:
         n, num_heads, head_size = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_size:
             q = q.contiguous()
-        heads, group = n * num_kv_heads, num_heads // num_kv_heads
-        scores = cpu_decode._scores(q, q.stride(0), group, tiles.view(heads, -1, head_size, cpu_decode.LANES),
-                                    self.row_lens, num_kv_heads, self.max_len, scale)
-        return cpu_decode._pv(torch.softmax(scores, dim=-1), values.view(heads, self.cap, head_size),
-                              self.row_lens, num_kv_heads)
+        heads = n * num_kv_heads
+        return cpu_decode.attend(q, tiles.view(heads, -1, head_size, cpu_decode.LANES),
+                                 values.view(heads, self.cap, head_size), self.row_lens, num_kv_heads,
+                                 self.max_len, scale)
 
     def _attend_torch(self, q: torch.Tensor, buffers: tuple, scale: float) -> torch.Tensor:
         """``[n * Hk, G, D]`` queries -> ``[n * Hk, G, D]``, bucket by bucket with torch ops."""
@@ -297,8 +297,6 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
         contexts including this step's token; block_size: tokens per block.
         previous: the last step's (only if nothing wrote the caches since).
     """
-    from servelab.attention.sdpa import DECODE_BUCKET_OVERHEAD, bucket_sequences
-
     n = lens.shape[0]
     if n == 0:
         return None
@@ -316,7 +314,7 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
     ranked = sorted(range(n), key=lens_host.__getitem__)
     order = None if ranked == list(range(n)) else torch.tensor(ranked, device=lens.device)
     sorted_lens = [lens_host[i] for i in ranked]
-    runs = bucket_sequences([1] * n, sorted_lens, overhead=DECODE_BUCKET_OVERHEAD)  # contiguous: input sorted
+    runs = bucketing.bucket_sequences([1] * n, sorted_lens, overhead=bucketing.DECODE_BUCKET_OVERHEAD)  # contiguous: input sorted
     buckets = [(run[0], run[-1] + 1) for run in runs]
     cap = -(-(max_len + HEADROOM) // 16) * 16
     return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)

@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from servelab._internal.attention_checks import check_paged_attention_args
+from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequences re-exported here
+    BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
 from servelab.attention.decode_kv import DecodeKV, plan_decode_kv
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -170,56 +172,6 @@ def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Te
     if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
         groups[0].identity = bool(torch.equal(groups[0].q_index[:, 0], torch.arange(lens.shape[0], device=device)))
     return groups
-
-
-BUCKET_OVERHEAD = 4096
-"""Cost of one more prefill SDPA problem per layer (gathers, mask, call,
-scatter), in padded (query row, key) pairs: :func:`bucket_sequences` splits
-a bucket only where that saves more pairs than this. Measured on a CPU, one
-thread: a group's fixed cost per layer is ~100 us, about the time SDPA spends
-on this many pairs at SmolLM2's 9 x 64 query width."""
-
-DECODE_BUCKET_OVERHEAD = 512
-"""The same for decode buckets. A decode pair costs more (its K/V row is
-gathered for one query row only), so a padded key is worth more."""
-
-MAX_BUCKET = 64
-"""Longest run of sequences :func:`bucket_sequences` considers for one bucket
-(bounds its quadratic search; ``O(64 n)`` host work per step)."""
-
-
-def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
-                    overhead: int = BUCKET_OVERHEAD) -> list[list[int]]:
-    """Partition sequences into padded SDPA problems of least total cost.
-
-    Sequences are sorted by context length (query length breaking ties) and
-    cut into contiguous runs; a run of ``n`` sequences costs ``overhead +
-    n * max(q_lens) * max(kv_lens)`` padded score pairs. An exact dynamic
-    program over cut points (runs of at most :data:`MAX_BUCKET`).
-
-    Args:
-        q_lens, kv_lens: per-sequence query rows and context length (``kv >= q``).
-        overhead: fixed cost of one more bucket, in pairs.
-
-    Returns:
-        Buckets of indices into the inputs, shortest first; every index once.
-    """
-    order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
-    n = len(order)
-    best = [0] + [None] * n  # best[j]: least cost of order[:j]
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        max_q, max_kv = 0, kv_lens[order[j - 1]]  # sorted: the run's last sequence has the longest context
-        for i in range(j - 1, max(-1, j - 1 - MAX_BUCKET), -1):
-            max_q = max(max_q, q_lens[order[i]])
-            cost = best[i] + overhead + (j - i) * max_q * max_kv
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], n
-    while j > 0:
-        buckets.append(order[cut[j]:j])
-        j = cut[j]
-    return buckets[::-1]
 
 
 def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,

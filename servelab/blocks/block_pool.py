@@ -376,7 +376,8 @@ class BlockPool:
         blocks in the range must be held (their KV was just written). Null
         blocks are skipped; a hash already indexed keeps its first block.
         """
-        blocks = self._own(blocks, "blocks")
+        if type(blocks) is not list:
+            blocks = list(blocks)
         check_int("num_cached_blocks", num_cached_blocks, min_value=0)
         check_int("num_full_blocks", num_full_blocks, min_value=0)
         if num_cached_blocks > num_full_blocks:
@@ -388,6 +389,8 @@ class BlockPool:
                 f"num_full_blocks={num_full_blocks} exceeds len(blocks)={len(blocks)} "
                 f"or len(block_hashes)={len(block_hashes)}"
             )
+        # Only the range is checked: a long request caches a block at a time (O(range), not O(len)).
+        self._own(blocks[num_cached_blocks:num_full_blocks], "blocks")
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.ref_cnt <= 0 and not block.is_null:

@@ -38,6 +38,7 @@ import heapq
 from collections.abc import Iterator
 from typing import Any
 
+from servelab._internal.conformance import missing_members
 from servelab._internal.registry import Registry
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.interfaces import EvictionPolicy
@@ -224,8 +225,7 @@ def _check_policy(obj: Any) -> None:
         raise TypeError(f"eviction_policy must be an instance or a registered name, got the class "
                         f"{obj.__name__}; pass {obj.__name__}() or register it")
     if not isinstance(obj, EvictionPolicy):
-        missing = [m for m in ("name", "push", "remove", "evict", "clear", "__len__", "__iter__")
-                   if not hasattr(obj, m)]
+        missing = missing_members(obj, EvictionPolicy)
         raise TypeError(f"eviction_policy {type(obj).__name__} does not implement EvictionPolicy "
                         f"(missing {missing}); valid: a registered name "
                         f"{available_eviction_policies()} or an EvictionPolicy object")

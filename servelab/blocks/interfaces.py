@@ -43,7 +43,7 @@ from servelab.blocks.request import KVCacheRequest
 if TYPE_CHECKING:
     from servelab.blocks.free_queue import KVCacheBlock
     from servelab.blocks.hashing import BlockHash
-    from servelab.blocks.kv_cache_manager import PrefixCacheStats
+    from servelab.blocks.stats import PrefixCacheStats
     from servelab.blocks.specs import KVCacheSpec
 
 __all__ = ["BlockPoolProtocol", "EvictionPolicy", "KVCacheManagerProtocol", "KVCacheRequest"]
@@ -213,8 +213,12 @@ class KVCacheManagerProtocol(Protocol):
     block_size: int
     enable_caching: bool
     max_model_len: int | None
-    block_pool: Any
     prefix_cache_stats: PrefixCacheStats
+
+    @property
+    def block_pool(self) -> Any:
+        """The pool (read here; a manager may also let it be assigned, see above)."""
+        ...
 
     @property
     def num_blocks(self) -> int:
@@ -231,7 +235,7 @@ class KVCacheManagerProtocol(Protocol):
         """Fraction of usable blocks held by requests, in [0, 1]."""
         ...
 
-    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[Any], int]:
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[Sequence[Any], int]:
         """Longest cached prefix of a request being admitted: its blocks (not
         yet referenced) and length in tokens, a multiple of ``block_size``
         and at most ``num_tokens - 1`` (the last token is always computed:
@@ -240,7 +244,7 @@ class KVCacheManagerProtocol(Protocol):
 
     def allocate_slots(self, request: KVCacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[Any] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[Any] | None:
+                       num_lookahead_tokens: int = 0) -> Sequence[Any] | None:
         """Hold slots for ``request.num_computed_tokens + num_new_computed_tokens
         + num_new_tokens + num_lookahead_tokens`` tokens (clipped at
         ``max_model_len``). ``new_computed_blocks`` (a hit from
@@ -262,7 +266,7 @@ class KVCacheManagerProtocol(Protocol):
         """Release every block of a request (tail first). Idempotent."""
         ...
 
-    def get_block_ids(self, request: KVCacheRequest | str) -> list[int]:
+    def get_block_ids(self, request: KVCacheRequest | str) -> list[int] | tuple[list[int], ...]:
         """The request's block-table row: block ids in token order (0 = null).
         A manager of several KV-cache groups (``HybridKVCacheManager``) returns
         a tuple of rows, one per group, and ``allocate_slots`` a tuple of lists."""

@@ -51,21 +51,9 @@ from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_field
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.interfaces import EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
-from servelab.blocks.single_type import manager_class_for
+from servelab.blocks.single_type import SingleTypeManager, manager_class_for
 from servelab.blocks.specs import KVCacheSpec
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last reset, counted in tokens, once per admission."""
-
-    requests: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+from servelab.blocks.stats import PrefixCacheStats
 
 
 def _request_id(request: object) -> str:
@@ -207,6 +195,16 @@ class KVCacheManager(KVEventSource):
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""
         return self._pool.usage
+
+    @property
+    def held_blocks_cover_slots(self) -> bool:
+        """True when ``b`` held blocks always hold ``b * block_size`` token slots and a request's
+        blocks never shrink while it runs (full attention, MLA: no sliding-window release, the
+        plain block count). Then ``allocate_slots`` for slots the held blocks already cover changes
+        nothing, and a caller (the scheduler's decode hot path) may skip the call."""
+        manager = self._manager
+        return (not manager.releases_blocks
+                and type(manager).num_required_blocks is SingleTypeManager.num_required_blocks)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The blocks a request holds, in token order (empty if none)."""

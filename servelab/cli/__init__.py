@@ -15,6 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from servelab.cli import build_kernels
+from servelab.config import SchedulerConfig
 from servelab.cli.sweep import add_sweep_parser, run_sweep_command
 
 EPILOG = """\
@@ -26,6 +28,7 @@ examples:
   servelab simulate --policy fcfs,sjf    scheduling policies on a simulated trace
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
   servelab blocks                        the KV block layer alone under load
+  servelab build-kernels                 compile and cache the C decode kernel ahead of time
   servelab sweep SPEC.toml [--executor ray]  a grid of cluster simulations (routers, replicas, rates)
 """
 
@@ -205,15 +208,15 @@ def _check_lengths(workload, max_model_len: int, engine: str):
 
 def _simulate(args: argparse.Namespace) -> int:
     from servelab.scheduling import SchedulerConfig
+    from servelab.cli.simulate_io import describe_params, read_trace, write_results
     from servelab.scheduling.simulator import (
         LengthDist,
+        StepCostModel,
         WorkloadSpec,
         compare_policies,
         format_client_table,
         format_table,
-        load_trace_csv,
         plot_results,
-        write_csv,
     )
 
     try:
@@ -222,9 +225,10 @@ def _simulate(args: argparse.Namespace) -> int:
         config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                                  max_model_len=args.max_model_len,
                                  long_prefill_token_threshold=args.long_prefill_token_threshold)
+        if args.hardware:
+            cost = StepCostModel.for_hardware(args.hardware, args.model)
         if args.trace:
-            workload = load_trace_csv(args.trace, rate=args.rate, seed=args.seed)[: args.num_requests]
-            what = f"trace {args.trace} ({len(workload)} requests)"
+            workload, what = read_trace(args)
         else:
             weights = tuple(1.0 / (k + 1) ** args.client_skew for k in range(args.num_clients))
             workload = WorkloadSpec(
@@ -254,7 +258,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print()
         print(format_client_table(results))
     out = Path(args.out)
-    table = write_csv(results, out / "simulate.csv")
+    out.mkdir(parents=True, exist_ok=True)
+    table = write_results(results, out / "simulate.csv", describe_params(args))
     figure = plot_results(results, out / "simulate.png", title=what)
     print(f"\ntable: {table}\nfigure: {figure}")
     return 0
@@ -304,13 +309,24 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--num-clients", type=_positive_int, default=1)
     sim.add_argument("--client-skew", type=_non_negative_float, default=0.0, help="client k sends a share ~ 1/(k+1)^skew")
     sim.add_argument("--num-priorities", type=_positive_int, default=1)
-    sim.add_argument("--trace", help="CSV trace (prompt_len, output_len[, arrival_time, client_id, priority])")
+    sim.add_argument("--trace", help="a shipped trace (mooncake_conversation, azure_conv), a Mooncake .jsonl, an "
+                                     "Azure .csv (with --trace-format azure) or a CSV trace (prompt_len, output_len[, "
+                                     "arrival_time, client_id, priority])")
+    sim.add_argument("--trace-format", choices=["mooncake", "azure", "csv"],
+                     help="default: the shipped trace's own, .jsonl: mooncake, else csv")
+    sim.add_argument("--time-scale", type=_positive_float, default=1.0,
+                     help="multiply a real trace's arrival times (0.5: twice as fast)")
+    sim.add_argument("--hardware", help="roofline step costs on this hardware (A100-80GB, H100-SXM, H200, L40S, "
+                                        "MI300X, cpu-measured) instead of --cost-model")
+    sim.add_argument("--model", default="llama-3.1-8b",
+                     help="with --hardware: a model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, smollm2-135m)")
     sim.add_argument("--num-blocks", type=_positive_int, default=4096)
     sim.add_argument("--block-size", type=_positive_int, default=16)
     sim.add_argument("--no-prefix-caching", action="store_true")
-    sim.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    sim.add_argument("--max-model-len", type=_positive_int, default=8192)
+    # SchedulerConfig's defaults: servelab's one set of scheduling defaults
+    sim.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs)
+    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=SchedulerConfig.max_num_batched_tokens)
+    sim.add_argument("--max-model-len", type=_positive_int, default=SchedulerConfig.max_model_len)
     sim.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=0)
     sim.add_argument("--cost-model", default="0.009,7e-5,3.5e-7",
                      help="seconds per step: BASE,PER_TOKEN,PER_KV_TOKEN")
@@ -318,9 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--tpot-slo", type=_positive_float, default=0.1, help="seconds, for goodput")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
+    build_kernels.add_parser(sub)
     add_sweep_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "sweep": run_sweep_command}
+    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run,
+                "sweep": run_sweep_command}
     if args.command not in commands:
         parser.print_help()
         return 0

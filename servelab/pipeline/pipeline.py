@@ -62,15 +62,20 @@ from servelab.pipeline.setup import (
     attach_attention,
     build_drafter,
     build_kv_cache_manager,
+    build_scheduler,
     check_attention,
     check_manager,
     resolve_max_model_len,
+    scheduler_kv_cache_manager,
 )
 from servelab.pipeline.sizing import peak_rss_bytes
-from servelab.samplers import Sampler, SamplingParams
+from servelab._internal.conformance import check_conforms
+from servelab.blocks.interfaces import KVCacheManagerProtocol
+from servelab.samplers import Sampler, SamplerProtocol, SamplingParams
 from servelab.samplers.structured import StructuredOutputManager
 from servelab.samplers.verifiers import get_verifier
-from servelab.scheduling import Request, RequestMetrics, RequestOutput, Scheduler
+from servelab.scheduling import Request, RequestMetrics, RequestOutput, SchedulerConfig, SchedulerInterface
+from servelab.scheduling.schedulers import DEFAULT_SCHEDULER
 
 _CACHE_SETTINGS = ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_memory_bytes", "eviction_policy",
                    "kv_cache_groups")
@@ -88,7 +93,14 @@ class Pipeline(BatchRuns, OutputDelivery):
             :class:`~servelab.blocks.KVCacheManager`, the reference one, or
             your own with the same interface); its block size and pool size
             are used, so the cache settings must not be given with it.
-        sampler: a ``Sampler`` (default ``Sampler()``).
+        sampler: a ``Sampler`` (default ``Sampler()``), or any
+            :class:`~servelab.samplers.SamplerProtocol`.
+        scheduler: a registered scheduler name (``"servelab"``, the default;
+            ``"vllm"``: vLLM's real v1 scheduler, needs vLLM; see
+            :func:`servelab.scheduling.register_scheduler`), a factory called
+            like the registered ones (a ``Scheduler`` subclass), or a ready
+            :class:`~servelab.scheduling.SchedulerInterface` object (then its
+            ``kv_cache_manager`` and ``config`` are the pipeline's).
         clock: time source for metrics (seconds).
         **settings: flat settings of :class:`PipelineConfig` overriding
             ``config`` (``block_size=8``, ``policy="sjf"``, ``verifier="typical"``...;
@@ -106,12 +118,14 @@ class Pipeline(BatchRuns, OutputDelivery):
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, config: PipelineConfig | None = None,
-                 kv_cache_manager: Any = None, sampler: Sampler | None = None,
+                 kv_cache_manager: KVCacheManagerProtocol | None = None, sampler: SamplerProtocol | None = None,
+                 scheduler: SchedulerInterface | str | Callable[..., SchedulerInterface] = DEFAULT_SCHEDULER,
                  clock: Callable[[], float] = time.perf_counter, **settings: Any) -> None:
+        kv_cache_manager = scheduler_kv_cache_manager(scheduler, kv_cache_manager)
         self.config = self._resolve_config(config, settings, kv_cache_manager)
         self._attach_model(model, tokenizer, clock)
         self._build_kv_cache(kv_cache_manager)
-        self._build_scheduler()
+        self._build_scheduler(scheduler)
         self._build_runner(sampler)
         self._tracked: dict[str, Tracked] = {}
         self._events: list[StreamEvent] = []
@@ -151,7 +165,7 @@ class Pipeline(BatchRuns, OutputDelivery):
         self.num_speculative_tokens = self.config.speculative.num_speculative_tokens
         model.check_inputs = False  # prompts are validated here, once, not in every forward
 
-    def _build_kv_cache(self, manager: Any) -> None:
+    def _build_kv_cache(self, manager: KVCacheManagerProtocol | None) -> None:
         """The KV cache manager (given or built), the paged buffers, the attention backend."""
         model = self.model
         self.max_model_len = resolve_max_model_len(self.config, model, manager)
@@ -177,19 +191,23 @@ class Pipeline(BatchRuns, OutputDelivery):
             if hasattr(self.kv_caches, "buffer") else 0
         check_attention(model, self.kv_caches.views[0][0])
 
-    def _build_scheduler(self) -> None:
-        """The scheduler, with the ``SchedulerConfig`` derived from :attr:`config`."""
+    def _build_scheduler(self, scheduler: SchedulerInterface | str | Callable[..., SchedulerInterface]) -> None:
+        """The scheduler (see ``scheduler`` in the class docstring), with the
+        ``SchedulerConfig`` derived from :attr:`config`."""
         self.scheduler_config = self.config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.config.scheduler.policy,
-                                   clock=self.clock)
+        self.scheduler = build_scheduler(scheduler, self.scheduler_config, self.kv_cache_manager,
+                                         self.config.scheduler.policy, self.clock)
+        # a scheduler that owns the allocation (vLLM's) reports KV usage through its own view
+        self.kv_cache_manager = getattr(self.scheduler, "kv_cache_manager", self.kv_cache_manager)
+        own_config = getattr(self.scheduler, "config", None)
+        if isinstance(own_config, SchedulerConfig):  # a ready object brings its own limits
+            self.scheduler_config = own_config
 
-    def _build_runner(self, sampler: Sampler | None) -> None:
+    def _build_runner(self, sampler: SamplerProtocol | None) -> None:
         """Sampler, verifier, drafter, and the model runner that calls them."""
         spec = self.config.speculative
         self.sampler = sampler if sampler is not None else Sampler()
-        for method in ("forward", "compute_probs"):
-            if not callable(getattr(self.sampler, method, None)):
-                raise TypeError(f"sampler {type(self.sampler).__name__} has no {method}(logits, metadata) method")
+        check_conforms(self.sampler, SamplerProtocol, "sampler")
         self.verifier = get_verifier(spec.verifier)
         self.drafter = build_drafter(self.config, self.model, block_size=self.block_size,
                                      num_blocks=self.num_blocks, max_num_seqs=self.scheduler_config.max_num_seqs,
@@ -197,7 +215,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         eos = () if self.eos_token_id is None else (self.eos_token_id, *self._extra_eos)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
                                                   backend=self.config.grammar_backend)
-        runner_cls, extra = ModelRunner, {}
+        runner_cls: type[ModelRunner] | type[HybridModelRunner] = ModelRunner
+        extra: dict[str, Any] = {}
         if self.kv_cache_groups is not None:  # one block table and metadata per KV-cache group
             runner_cls, extra = HybridModelRunner, {"groups": self.kv_cache_groups}
         self.runner = runner_cls(self.model, self.kv_caches, self.block_size, max_model_len=self.max_model_len,
@@ -214,7 +233,7 @@ class Pipeline(BatchRuns, OutputDelivery):
         """Load a checkpoint (a Hugging Face folder or a ``.gguf`` file: model, and
         its tokenizer when it has one) and build a pipeline with ``config`` /
         ``settings`` (the same keyword arguments, and defaults, as the
-        constructor; ``kv_cache_manager``, ``sampler`` and ``clock`` pass through too).
+        constructor; ``kv_cache_manager``, ``sampler``, ``scheduler`` and ``clock`` pass through too).
 
         A draft checkpoint given as ``drafter`` is loaded with the same dtype,
         device and attention backend. A folder without tokenizer files (normal

@@ -65,7 +65,8 @@ import torch
 from servelab.models import AttentionMetadata
 from servelab.pipeline.prompt_logprobs import PromptLogprobsCollector
 from servelab.pipeline.sampling_steps import SamplingSteps, release_quietly
-from servelab.samplers import Sampler, SamplingMetadata, SamplingParams
+from servelab.samplers import Sampler, SamplerProtocol, SamplingMetadata, SamplingParams
+from servelab.samplers.interfaces import Drafter, Verifier
 from servelab.samplers.structured import StructuredOutputManager, apply_token_bitmask
 from servelab.samplers.verifiers import get_verifier
 from servelab.scheduling import ModelRunnerOutput, SchedulerOutput
@@ -130,15 +131,16 @@ class ModelRunner(SamplingSteps):
     """
 
     def __init__(self, model: Any, kv_caches: Any, block_size: int, *, max_model_len: int,
-                 sampler: Sampler | None = None, drafter: Any = None, verifier: Any = "rejection",
+                 sampler: SamplerProtocol | None = None, drafter: Drafter | None = None,
+                 verifier: Verifier | str = "rejection",
                  num_speculative_tokens: int = 0, max_num_reqs: int = 64, eos_token_id: int | None = None,
                  structured: StructuredOutputManager | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.sampler = sampler if sampler is not None else Sampler()
-        self.drafter = drafter
+        self.sampler: SamplerProtocol = sampler if sampler is not None else Sampler()
+        self.drafter: Drafter | None = drafter
         self.verifier = get_verifier(verifier)
         self.structured: StructuredOutputManager | None = structured
         self._grammar_advanced: dict[str, int] = {}  # tokens each matcher accepted in the last execute

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from servelab._internal.sampling_noise import seeded_generator
+from servelab.samplers.interfaces import Drafter, SamplerProtocol, Verifier
+from servelab.samplers.metadata import SamplingMetadata
 from servelab.samplers.drafters import DraftRequest, check_proposals
 
 
@@ -80,6 +82,16 @@ class SamplingSteps:
     it uses the runner's ``sampler``, ``verifier``, ``drafter``, ``vocab_size``,
     ``max_model_len``, ``num_speculative_tokens``, ``last_verification`` and
     ``_metadata``). ``batch`` is the step's list of ``(state, computed, scheduled)``."""
+
+    # Set by ModelRunner.__init__ (the pieces it is typed on).
+    sampler: SamplerProtocol
+    verifier: Verifier
+    drafter: Drafter | None
+    vocab_size: int
+    max_model_len: int
+    num_speculative_tokens: int
+    last_verification: list[tuple[int, int]]
+    _metadata: Callable[..., SamplingMetadata]
 
     # ---- plain sampling ---------------------------------------------------------
 

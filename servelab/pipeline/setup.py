@@ -6,11 +6,22 @@ size, the drafter. Each function checks what it builds and says why it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from servelab._internal.conformance import check_conforms
+from servelab.attention.backends import default_attention_backend
+from servelab.blocks import KVCacheManager
+from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.config import PipelineConfig
+from servelab.models import kv_cache_spec
+from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, check_groups_fit, wants_kv_cache_groups
+from servelab.samplers.drafters import DraftModelDrafter, resolve_drafter
+from servelab.scheduling.config import SchedulerConfig
+from servelab.scheduling.interfaces import SchedulerInterface
+from servelab.scheduling.schedulers import get_scheduler
 from servelab.pipeline.sizing import default_num_blocks
 
 
@@ -25,21 +36,12 @@ def _probe(model: Any, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def auto_attention_backend(model: Any, block_size: int) -> str:
-    """``"sdpa"`` on the CPU / ``"triton"`` on CUDA when that backend supports
-    the model (``supports()`` says None), else ``"torch"`` (the references)."""
-    from servelab.attention.backends import get_attention_backend
-
-    candidate = {"cpu": "sdpa", "cuda": "triton"}.get(model.device.type)
-    if candidate is None:
-        return "torch"
-    try:
-        backend = get_attention_backend(candidate)
-    except ValueError:  # not registered in this build
-        return "torch"
+    """What ``attention_backend="auto"`` means for ``model``: the one rule,
+    :func:`servelab.attention.backends.default_attention_backend`, given a probe of the model."""
     query, key_cache = _probe(model, block_size)
-    reason = backend.supports(query, key_cache, sliding_window=model.config.sliding_window,
-                              softcap=getattr(model, "attn_softcap", None))  # Gemma 2
-    return candidate if reason is None else "torch"
+    return default_attention_backend(model.device, query=query, key_cache=key_cache,
+                                     sliding_window=model.config.sliding_window,
+                                     softcap=getattr(model, "attn_softcap", None))  # Gemma 2
 
 
 def attach_attention(model: Any, setting: Any, block_size: int) -> str:
@@ -63,9 +65,12 @@ def check_attention(model: Any, key_cache: torch.Tensor) -> None:
     if reason is not None:
         name = getattr(ops, "name", type(ops).__name__)
         raise ValueError(f"attention backend {name!r} cannot run this model: {reason}")
+    prepare = getattr(ops, "prepare", None)  # optional: build kernels now, not in the first step
+    if prepare is not None:
+        prepare(query, key_cache)
 
 
-def resolve_max_model_len(config: PipelineConfig, model: Any, manager: Any = None) -> int:
+def resolve_max_model_len(config: PipelineConfig, model: Any, manager: KVCacheManagerProtocol | None = None) -> int:
     """The configured ``max_model_len``, else the manager's, else the model's
     ``max_position_embeddings``; checked against the model."""
     limit = model.config.max_position_embeddings
@@ -78,15 +83,11 @@ def resolve_max_model_len(config: PipelineConfig, model: Any, manager: Any = Non
     return value
 
 
-def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: int) -> Any:
+def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: int) -> KVCacheManagerProtocol:
     """A :class:`~servelab.blocks.KVCacheManager` sized by the config (see
     :mod:`servelab.pipeline.sizing` for the default pool size), or, with
     ``kv_cache_groups="auto"`` and layers of different kinds, a
     :class:`~servelab.blocks.HybridKVCacheManager` (see :mod:`servelab.pipeline.hybrid`)."""
-    from servelab.blocks import KVCacheManager
-    from servelab.models import kv_cache_spec
-    from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, wants_kv_cache_groups
-
     cache = config.cache
     if wants_kv_cache_groups(cache.kv_cache_groups, model):
         return build_hybrid_kv_cache_manager(cache, model, max_model_len,
@@ -105,18 +106,11 @@ def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: in
                           eviction_policy=cache.eviction_policy)
 
 
-def check_manager(manager: Any, model: Any) -> None:
-    """A user-built manager must hold this model's KV heads and head size."""
-    missing = [name for name in ("spec", "block_size", "block_pool", "enable_caching", "get_computed_blocks",
-                                 "allocate_slots", "free", "get_block_ids", "usage")
-               if not hasattr(manager, name)]
-    if missing:
-        raise TypeError(f"kv_cache_manager {type(manager).__name__} lacks {', '.join(missing)} (the KV cache "
-                        "manager interface the scheduler and the pipeline use)")
+def check_manager(manager: KVCacheManagerProtocol, model: Any) -> None:
+    """A user-built manager must implement the protocol and hold this model's KV heads and head size."""
+    check_conforms(manager, KVCacheManagerProtocol, "kv_cache_manager")
     groups = getattr(manager, "groups", None)
     if groups is not None:  # a HybridKVCacheManager (any number of groups)
-        from servelab.pipeline.hybrid import check_groups_fit
-
         check_groups_fit(groups, model)
         return
     cfg = model.config
@@ -127,12 +121,41 @@ def check_manager(manager: Any, model: Any) -> None:
                          f"num_kv_heads={want[0]}, head_size={want[1]}")
 
 
+def scheduler_kv_cache_manager(scheduler: Any, manager: KVCacheManagerProtocol | None
+                               ) -> KVCacheManagerProtocol | None:
+    """The KV cache manager the pipeline uses: a ready scheduler object brings its
+    own (``scheduler.kv_cache_manager``), which must then be the only one given."""
+    if isinstance(scheduler, str) or isinstance(scheduler, type) or not hasattr(scheduler, "kv_cache_manager"):
+        return manager
+    own = scheduler.kv_cache_manager
+    if manager is not None and manager is not own:
+        raise ValueError("kv_cache_manager and a scheduler object with another kv_cache_manager were both given; "
+                         "the scheduler's manager is the pipeline's, so pass only the scheduler")
+    return own
+
+
+def build_scheduler(scheduler: Any, config: SchedulerConfig, manager: KVCacheManagerProtocol,
+                    policy: Any, clock: Callable[[], float]) -> SchedulerInterface:
+    """``scheduler`` resolved: a registered name or a factory is built over ``manager``
+    with ``config``, ``policy`` and ``clock``; an object is checked against
+    :class:`~servelab.scheduling.SchedulerInterface` and used as it is."""
+    if isinstance(scheduler, str):
+        return get_scheduler(scheduler, config=config, kv_cache_manager=manager, policy=policy, clock=clock)
+    if isinstance(scheduler, type) or (callable(scheduler) and not hasattr(scheduler, "schedule")):
+        built = scheduler(config=config, kv_cache_manager=manager, policy=policy, clock=clock)
+        check_conforms(built, SchedulerInterface, "scheduler")
+        return built
+    check_conforms(scheduler, SchedulerInterface, "scheduler")
+    if getattr(scheduler, "requests", None):
+        raise ValueError(f"scheduler {type(scheduler).__name__} already holds requests; give the pipeline a "
+                         "fresh one")
+    return scheduler
+
+
 def build_drafter(config: PipelineConfig, model: Any, *, block_size: int, num_blocks: int,
                   max_num_seqs: int, vocab_size: int) -> Any:
     """The configured drafter (None without speculation); a draft model gets a
     KV pool as large as the target's plus each request's lookahead."""
-    from servelab.samplers.drafters import DraftModelDrafter, resolve_drafter
-
     drafter = resolve_drafter(config.speculative.drafter, dtype=model.dtype, device=model.device,
                               attention=model.attention, block_size=block_size)
     if isinstance(drafter, DraftModelDrafter):

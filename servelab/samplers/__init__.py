@@ -30,7 +30,7 @@ from servelab.samplers.drafters import (
     register_drafter,
 )
 from servelab.samplers.interfaces import LogprobsOutput, SamplerOutput, Verifier
-from servelab.samplers.interfaces import Sampler as SamplerProtocol
+from servelab.samplers.interfaces import SamplerProtocol
 from servelab.samplers.metadata import SamplingMetadata
 from servelab.samplers.params import SAMPLING_EPS, SamplingParams
 from servelab.samplers.processors import LogitBiasProcessor, LogitsProcessor, MinTokensProcessor

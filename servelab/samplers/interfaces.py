@@ -45,7 +45,7 @@ __all__ = [
     "Drafter",
     "LogitsProcessor",
     "LogprobsOutput",
-    "Sampler",
+    "SamplerProtocol",
     "SamplerOutput",
     "Verifier",
 ]
@@ -95,7 +95,7 @@ class SamplerOutput:
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class SamplerProtocol(Protocol):
     """Turns logits into tokens (``forward``) or into the distributions it samples from (``compute_probs``).
 
     Implementations are stateless across steps: everything per-step comes in

@@ -116,7 +116,7 @@ class Sampler:
             ``"triton"``) or a backend object, for the fused min-p/top-k/top-p
             sampling op (see :mod:`servelab.samplers.backends`).
 
-    Implements the :class:`servelab.samplers.interfaces.Sampler` protocol.
+    Implements the :class:`servelab.samplers.interfaces.SamplerProtocol` protocol.
     """
 
     def __init__(self, logits_processors: Sequence[LogitsProcessor] = (), *, backend: str | object = "auto") -> None:

@@ -19,6 +19,9 @@
   ``SchedulingPolicy`` (the ABC a policy implements; its docstring is the
   contract), ``RequestQueue`` (a policy's waiting queue) and
   ``SchedulerInterface`` (what an engine loop calls).
+- :mod:`~servelab.scheduling.schedulers`: whole schedulers by name
+  (``"servelab"``, ``"vllm"``): ``register_scheduler`` / ``get_scheduler`` /
+  ``available_schedulers``; what ``Pipeline(scheduler=...)`` takes.
 - :mod:`~servelab.scheduling.policies`: FCFS, priority, shortest-prompt-first,
   fair share (VTC); ``register_policy`` / ``get_policy`` /
   ``available_policies``.
@@ -60,6 +63,7 @@ from servelab.scheduling.policies import (
 )
 from servelab.scheduling.request import Request, RequestMetrics, RequestStatus
 from servelab.scheduling.scheduler import Scheduler
+from servelab.scheduling.schedulers import available_schedulers, get_scheduler, register_scheduler
 from servelab.scheduling.simulator import StepCostModel, WorkloadSpec, compare_policies, simulate
 
 __all__ = [
@@ -67,5 +71,6 @@ __all__ = [
     "PriorityPolicy", "Request", "RequestMetrics", "RequestOutput", "RequestQueue", "RequestStatus", "Scheduler",
     "SchedulerConfig", "SchedulerInterface", "SchedulerOutput", "SchedulerStats", "SchedulingPolicy",
     "ShortestPromptFirstPolicy", "StepCostModel", "WaitingQueue", "WorkloadSpec", "available_policies",
-    "compare_policies", "get_policy", "policy_names", "register_policy", "simulate",
+    "available_schedulers", "compare_policies", "get_policy", "get_scheduler", "policy_names", "register_policy",
+    "register_scheduler", "simulate",
 ]

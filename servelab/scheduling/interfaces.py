@@ -21,7 +21,7 @@ leaves no trace.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from servelab.scheduling.queues import WaitingQueue
@@ -149,7 +149,13 @@ class SchedulerInterface(Protocol):
     Every request that enters ends with exactly one final ``RequestOutput``
     (``finished=True``): returned by ``fail_requests`` for the requests it
     ends, otherwise by a later ``update_from_output``.
+
+    Attributes:
+        requests: the unfinished requests by id (read-only for callers: the
+            pipeline checks ids against it).
     """
+
+    requests: Mapping[str, Request]
 
     def add_request(self, request: Request) -> None:
         """Queue a request (``ValueError`` / ``TypeError`` for bad input; the

@@ -153,7 +153,7 @@ class Request:
         "num_tokens", "num_computed_tokens", "spec_token_ids", "status", "stop_reason", "error", "max_tokens",
         "min_tokens", "stop_token_ids", "block_hashes", "_hasher", "arrival_order", "num_cached_tokens",
         "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "first_scheduled_time", "first_token_time",
-        "token_times", "finish_time", "num_committed_blocks",
+        "token_times", "finish_time", "num_committed_blocks", "kv_capacity",
     )
 
     def __init__(
@@ -219,6 +219,9 @@ class Request:
         # (kv_cache_manager.cache_blocks) since the request last got blocks;
         # it calls cache_blocks again only when computed tokens cover more.
         self.num_committed_blocks = 0
+        # Token slots its KV blocks hold, as the scheduler last saw them (blocks x block size; kept
+        # only with a KV manager whose held_blocks_cover_slots): a decode that fits skips allocate_slots.
+        self.kv_capacity = 0
 
         self.arrival_order = -1
         self.num_cached_tokens = -1

@@ -76,8 +76,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from servelab._internal.conformance import check_conforms
 from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
@@ -95,9 +97,6 @@ from servelab.scheduling.step import raised as _raised
 from servelab.scheduling.transitions import PREEMPTED, RUNNING, WAITING, RequestTransitions
 
 _NO_BLOCKS: tuple[int, ...] = ()
-# What the scheduler calls on its KV cache manager (a subset of KVCacheManagerProtocol).
-_KV_MEMBERS = ("block_size", "enable_caching", "get_computed_blocks", "allocate_slots", "cache_blocks", "free",
-               "get_block_ids")
 
 
 class Scheduler(RequestTransitions):
@@ -128,10 +127,7 @@ class Scheduler(RequestTransitions):
     ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        missing = [m for m in _KV_MEMBERS if not hasattr(kv_cache_manager, m)]
-        if missing:
-            raise TypeError(f"kv_cache_manager ({type(kv_cache_manager).__name__}) lacks {missing}; it must implement "
-                            "servelab.blocks.interfaces.KVCacheManagerProtocol")
+        check_conforms(kv_cache_manager, KVCacheManagerProtocol, "kv_cache_manager")
         kv_len = getattr(kv_cache_manager, "max_model_len", None)
         if kv_len is not None and kv_len < config.max_model_len:
             raise ValueError(f"kv_cache_manager.max_model_len={kv_len} is below SchedulerConfig.max_model_len="
@@ -159,6 +155,11 @@ class Scheduler(RequestTransitions):
                             else None)
         # Commit after compute: update_from_output indexes computed blocks.
         self._cache_blocks = kv_cache_manager.cache_blocks if kv_cache_manager.enable_caching else None
+        # Decode hot path: with a manager whose held blocks are exactly its slots (full attention),
+        # the scheduler tracks each running request's slots (Request.kv_capacity) and skips
+        # allocate_slots when they already cover the step; with any other manager kv_capacity stays 0
+        # and every step asks the manager.
+        self._track_capacity = getattr(kv_cache_manager, "held_blocks_cover_slots", False) is True
         # KV-cache events (servelab.blocks.events): one batch per step, after the commit.
         self._publish_kv_events = getattr(kv_cache_manager, "publish_kv_events", None)
         self.num_steps = 0
@@ -284,6 +285,9 @@ class Scheduler(RequestTransitions):
         max_len = cfg.max_model_len
         lookahead = cfg.num_speculative_tokens
         num_scheduled, new_blocks_of, spec_tokens = step.num_scheduled, step.new_blocks_of, step.spec_tokens
+        scheduled_reqs = step.reqs
+        track = self._track_capacity
+        block_size = self.block_size
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -300,16 +304,21 @@ class Scheduler(RequestTransitions):
                 i += 1
                 continue
             ahead = lookahead if computed + n >= req.num_tokens else 0
-            new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
-            if new_blocks is None:
-                step.budget = budget
-                new_blocks, i, n = self._make_room(step, req, i, n, ahead)
-                budget = step.budget
-                if new_blocks is None:
-                    continue  # req left `running`; running[i] is the next one
             rid = req.request_id
+            if computed + n + ahead > req.kv_capacity:  # always, unless the capacity is tracked
+                new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
+                if new_blocks is None:
+                    step.budget = budget
+                    new_blocks, i, n = self._make_room(step, req, i, n, ahead)
+                    budget = step.budget
+                    if new_blocks is None:
+                        continue  # req left `running`; running[i] is the next one
+                if new_blocks:
+                    new_blocks_of[rid] = new_blocks
+                    if track:
+                        req.kv_capacity += len(new_blocks) * block_size
             num_scheduled[rid] = n
-            new_blocks_of[rid] = (req, new_blocks)
+            scheduled_reqs[rid] = req
             budget -= n
             if req.spec_token_ids:
                 num_drafts = computed + n - req.num_tokens
@@ -353,7 +362,8 @@ class Scheduler(RequestTransitions):
             if rid in step.num_scheduled:  # give its share of this step back
                 step.budget += step.num_scheduled.pop(rid)
                 step.spec_tokens.pop(rid, None)
-                del step.new_blocks_of[rid]
+                step.new_blocks_of.pop(rid, None)
+                del step.reqs[rid]
             if j < i:
                 i -= 1
             self._preempt(victim, step)
@@ -363,8 +373,8 @@ class Scheduler(RequestTransitions):
             if new_blocks is not None:
                 return new_blocks, i, n
 
-    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: object = None
-                        ) -> tuple[list | None, int]:
+    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: Sequence[Any] | None = None
+                        ) -> tuple[Sequence[Any] | None, int]:
         """``req`` has the pool to itself and ``n`` tokens find no room: a manager
         with ``max_chunk_alone`` (the hybrid one: sliding windows need only the
         window plus one chunk) may serve it in smaller chunks. Returns the new
@@ -396,33 +406,42 @@ class Scheduler(RequestTransitions):
         num_scheduled = step.num_scheduled
         if not num_scheduled:
             return
+        if self._token_hook is not None:
+            self._run_token_hook(step)
         cached = step.cached
-        c_ids, c_new, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        new_blocks_of = step.new_blocks_of
-        hook = self._token_hook
-        total_kv = 0
-        failed = None
-        for rid, n in num_scheduled.items():
-            req, blocks = new_blocks_of[rid]
+        c_computed = cached.num_computed_tokens
+        # step.reqs and num_scheduled hold the same ids in the same order (built and pruned together).
+        for req, n in zip(step.reqs.values(), num_scheduled.values()):
             computed = req.num_computed_tokens
-            if hook is not None:
-                try:
-                    hook(req, n)
-                except Exception as exc:
-                    failed = (failed or []) + [(req, exc)]
-                    continue
-            c_ids.append(rid)
-            c_new.append(_block_ids(blocks) if blocks else _NO_BLOCKS)
             c_computed.append(computed)
-            total_kv += computed + n
             req.num_computed_tokens = computed + n
-        cached.resumed = [False] * len(c_ids)
-        step.total_kv = total_kv
-        for req, exc in failed or ():
+        cached.req_ids.extend(num_scheduled)
+        new_blocks_of = step.new_blocks_of
+        if new_blocks_of:
+            get = new_blocks_of.get
+            cached.new_block_ids.extend([_block_ids(b) if (b := get(rid)) else _NO_BLOCKS for rid in num_scheduled])
+        else:
+            cached.new_block_ids.extend([_NO_BLOCKS] * len(num_scheduled))
+        cached.resumed = [False] * len(c_computed)
+        step.total_kv = sum(c_computed) + sum(num_scheduled.values())
+
+    def _run_token_hook(self, step: _Step) -> None:
+        """The policy's ``on_tokens_scheduled`` for every running request scheduled; a request
+        whose hook raises gives its tokens back and fails (the others go on)."""
+        hook = self._token_hook
+        num_scheduled = step.num_scheduled
+        failed = []
+        for req, n in zip(step.reqs.values(), num_scheduled.values()):
+            try:
+                hook(req, n)
+            except Exception as exc:
+                failed.append((req, exc))
+        for req, exc in failed:
             rid = req.request_id
             step.budget += num_scheduled.pop(rid)
             step.spec_tokens.pop(rid, None)
-            del new_blocks_of[rid]
+            step.new_blocks_of.pop(rid, None)
+            del step.reqs[rid]
             self.running.remove(req)
             self._fail(req, _raised(f"scheduling policy {self.policy!r}.on_tokens_scheduled", exc))
 
@@ -492,6 +511,8 @@ class Scheduler(RequestTransitions):
         this step after a ``num_hit``-token prefix hit."""
         rid = req.request_id
         block_ids = self.kv_cache_manager.get_block_ids(req)
+        if self._track_capacity:
+            req.kv_capacity = len(block_ids) * self.block_size
         cached = step.cached
         if req.status is PREEMPTED:
             cached.req_ids.append(rid)

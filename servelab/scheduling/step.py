@@ -26,7 +26,7 @@ def raised(who: str, exc: BaseException) -> str:
 class Step:
     """What one ``schedule()`` call has decided so far; its phases share it."""
 
-    __slots__ = ("budget", "now", "num_scheduled", "spec_tokens", "new_blocks_of", "preempted", "cached",
+    __slots__ = ("budget", "now", "num_scheduled", "reqs", "spec_tokens", "new_blocks_of", "preempted", "cached",
                  "new_reqs", "total_kv")
 
     def __init__(self, budget: int, now: float) -> None:
@@ -34,7 +34,10 @@ class Step:
         self.now = now
         self.num_scheduled: dict[str, int] = {}
         self.spec_tokens: dict[str, list[int]] = {}
-        self.new_blocks_of: dict[str, tuple[Request, list]] = {}
+        self.reqs: dict[str, Request] = {}
+        """The running requests scheduled so far (same ids and order as ``num_scheduled``)."""
+        self.new_blocks_of: dict[str, list] = {}
+        """Blocks ``allocate_slots`` returned, for the running requests that got any."""
         self.preempted: set[str] = set()
         self.cached = CachedRequestData()
         self.new_reqs: list[NewRequestData] = []

@@ -132,14 +132,17 @@ class RequestTransitions:
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
         req_ids = model_output.req_ids
-        if not num_scheduled.keys() >= set(req_ids):
-            unknown = sorted(set(req_ids) - num_scheduled.keys())
+        given = set(req_ids)
+        if not num_scheduled.keys() >= given:
+            unknown = sorted(given - num_scheduled.keys())
             raise ValueError(f"ModelRunnerOutput names requests not scheduled in this step: {unknown[:5]}")
         if not num_scheduled.keys() >= model_output.errors.keys():
             unknown = sorted(model_output.errors.keys() - num_scheduled.keys())
             raise ValueError(f"ModelRunnerOutput.errors names requests not scheduled in this step: {unknown[:5]}")
-        if len(set(req_ids)) != len(req_ids):
+        if len(given) != len(req_ids):
             raise ValueError("ModelRunnerOutput.req_ids holds duplicates")
+        if max(map(len, model_output.sampled_token_ids), default=0) <= 1:
+            return  # one token or none each: always valid (the per-request check below is for drafts)
         for rid, toks in zip(req_ids, model_output.sampled_token_ids):
             if len(toks) > 1 and len(toks) > len(spec_scheduled.get(rid, ())) + 1:
                 raise ValueError(f"request {rid!r} got {len(toks)} tokens but had "
@@ -201,6 +204,7 @@ class RequestTransitions:
         cache_blocks = self._cache_blocks
         block_size = self.block_size
         any_finished = False
+        any_drafts = bool(spec_scheduled)
         for idx, rid in enumerate(req_ids):
             req = requests.get(rid)
             if req is None or req.status is not RUNNING:
@@ -210,6 +214,25 @@ class RequestTransitions:
                 status = None
                 if req.num_computed_tokens < num_tokens:
                     toks = _EMPTY  # mid-prefill: nothing to sample (tokens given are ignored)
+                elif not any_drafts and len(toks := sampled[idx]) == 1:
+                    # The decode hot path: one token, no drafts (the general branch below, specialised;
+                    # Request.append_token inlined).
+                    req.num_computed_tokens = num_tokens
+                    tok = toks[0]
+                    num_tokens += 1
+                    num_out = num_tokens - req.num_prompt_tokens
+                    if tok in req.stop_token_ids and num_out >= req.min_tokens:
+                        status, req.stop_reason = STOPPED, tok
+                    elif num_out >= req.max_tokens or num_tokens >= max_len:
+                        status = LENGTH_CAPPED
+                    all_ids = req.all_token_ids
+                    all_ids.append(tok)
+                    req.num_tokens = num_tokens
+                    if num_tokens % block_size == 0 and req._hasher is not None:
+                        req._hasher.update(all_ids)
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    req.token_times.append(now)
                 else:
                     toks = sampled[idx]
                     k = len(toks)
@@ -249,7 +272,8 @@ class RequestTransitions:
                         proposed = drafts_next[idx]
                         room = min(num_spec, max_len - req.num_tokens)
                         req.spec_token_ids = list(proposed[:room]) if room > 0 else []
-                    outputs.append(RequestOutput(rid, toks, logprobs=logprobs[idx] if logprobs is not None else None))
+                    outputs.append(RequestOutput(rid, toks) if logprobs is None
+                                   else RequestOutput(rid, toks, logprobs=logprobs[idx]))
                 else:
                     any_finished = True
                     out = self._finish(req, status, toks)

@@ -1,22 +1,58 @@
-"""The C decode-attention kernel (``servelab.attention.cpu_decode``) against float64.
+"""The C decode-attention kernel (``servelab.attention.cpu_decode``) against float64, and its build.
 
 Random shapes (rows, KV heads per row, GQA group 1-8, head sizes that take
 the wide and the narrow value loop, lengths from 1 to ``cap``, result widths
-past the longest length); the scores and the value product each within
-float32 rounding of the float64 products; the tiled K layout against plain
-indexing; argument checks; the build's fallback (no compiler, switched off).
+past the longest length) at one and at several threads; the scores and the
+value product each within float32 rounding of the float64 products, the
+fused path (scores, the kernel's softmax, values) within float32 rounding of
+float64 attention, all with the same bits for every thread count; the tiled K layout against plain indexing;
+argument checks. The build: a machine with a C compiler must build the kernel
+(a failed build FAILS here, it is not skipped); the cache is keyed by the
+compiler's resolved target, so a library built for other target flags is
+never loaded (neither by name nor when planted under this machine's name);
+a library that dies in verification (SIGILL) is survived, rebuilt, and on a
+second failure the torch formulation runs with one warning. Every build goes
+to a temporary folder (``tests/conftest.py`` sets ``SERVELAB_KERNEL_CACHE``).
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_decode
+from servelab.attention import cpu_decode, cpu_kernel_build
+from servelab.attention.cpu_kernel_build import KernelBuildError
 
-needs_kernel = pytest.mark.skipif(not cpu_decode.available(), reason="no C compiler: the kernel is not built")
+HAS_COMPILER = shutil.which(cpu_kernel_build.compiler()) is not None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The built kernel: skips only without a compiler; a compiler that fails to build it fails the test."""
+    if not HAS_COMPILER:
+        pytest.skip(f"no C compiler ({cpu_kernel_build.compiler()!r}): the torch formulation is tested instead")
+    try:
+        built = cpu_kernel_build.load()
+    except KernelBuildError as error:
+        pytest.fail(f"a C compiler exists but the kernel did not build: {error}")
+    assert cpu_decode.available()
+    return built
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache and no build in this process yet (restored afterwards)."""
+    monkeypatch.setenv("SERVELAB_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setattr(cpu_kernel_build, "_built", None)
+    monkeypatch.setattr(cpu_kernel_build, "_error", None)
+    monkeypatch.setattr(cpu_decode, "_warned", False)
+    return tmp_path / "kernels"
 
 
 def make(rows, kv_per_row, group, head_size, cap, seed):
@@ -40,12 +76,19 @@ def reference_scores(q, keys, lens, width, scale):
     return scores
 
 
-@needs_kernel
-@settings(max_examples=80, deadline=None)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 5), kv_per_row=st.integers(1, 3), group=st.integers(1, 8),
        head_size=st.sampled_from([16, 32, 64, 128]), tiles=st.integers(1, 6), extra=st.integers(0, 20),
        seed=st.integers(0, 2**16))
-def test_kernel_matches_float64(rows, kv_per_row, group, head_size, tiles, extra, seed):
+def test_kernel_matches_float64(kernel, threads, rows, kv_per_row, group, head_size, tiles, extra, seed):
+    """At 1, 2 and 3 threads (more threads than heads included): float64-close, and the same
+    bits as one thread (every head is computed whole by one thread, in one order)."""
+    with torch_threads(threads):
+        check_against_float64(rows, kv_per_row, group, head_size, tiles, extra, seed)
+
+
+def check_against_float64(rows, kv_per_row, group, head_size, tiles, extra, seed):
     cap = 16 * tiles
     q, keys, values, lens = make(rows, kv_per_row, group, head_size, cap, seed)
     width = min(cap, int(lens.max()) + extra)
@@ -65,10 +108,51 @@ def test_kernel_matches_float64(rows, kv_per_row, group, head_size, tiles, extra
         n = int(lens[h // kv_per])
         torch.testing.assert_close(out[h].double(), p[h, :, :n].double() @ values[h, :n].double(),
                                    rtol=1e-5, atol=1e-5)
+    # The fused path (scores, the kernel's own softmax, values in one call) against float64.
+    q_rows = q.view(rows, -1, head_size)
+    fused = cpu_decode.attend(q_rows, cpu_decode.tile_keys(keys), values, lens, kv_per, width, scale)
+    p64 = torch.softmax(expected, dim=-1)
+    for h in range(q.shape[0]):
+        n = int(lens[h // kv_per])
+        torch.testing.assert_close(fused[h].double(), p64[h, :, :n] @ values[h, :n].double(), rtol=1e-5, atol=1e-5)
+    if torch.get_num_threads() > 1:
+        with torch_threads(1):
+            assert torch.equal(cpu_decode.decode_scores(q, cpu_decode.tile_keys(keys), lens, width, scale), scores)
+            assert torch.equal(cpu_decode.decode_pv(p_poisoned, values, lens), out)
+            assert torch.equal(cpu_decode.attend(q_rows, cpu_decode.tile_keys(keys), values, lens, kv_per, width,
+                                                 scale), fused)
 
 
-@needs_kernel
-def test_kernel_is_deterministic_and_row_independent():
+class torch_threads:
+    """``with torch_threads(n):`` runs the block on ``n`` torch threads."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+
+
+def test_threads_split_long_batches_and_agree(kernel):
+    """A step big enough to use the team (16 rows x 3 KV heads, long contexts): same bits on 1 and
+    2 threads, and the kernel was built with OpenMP when the compiler has it."""
+    q, keys, values, lens = make(16, 3, 3, 64, 256, seed=9)
+    tiles = cpu_decode.tile_keys(keys)
+    results = []
+    for threads in (1, 2):
+        with torch_threads(threads):
+            scores = cpu_decode.decode_scores(q, tiles, lens, 256, 0.125)
+            results.append((scores, cpu_decode.decode_pv(torch.softmax(scores, -1), values, lens)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    if "-fopenmp" in kernel.flags:
+        assert kernel.openmp and cpu_decode.uses_openmp()
+
+
+def test_kernel_is_deterministic_and_row_independent(kernel):
     q, keys, values, lens = make(3, 2, 3, 64, 48, seed=1)
     tiles = cpu_decode.tile_keys(keys)
     first = cpu_decode.decode_scores(q, tiles, lens, 48, 0.125)
@@ -89,7 +173,6 @@ def test_tiled_layout_and_append_index():
     assert torch.equal(tiles.flatten()[index], expected)
 
 
-@needs_kernel
 @pytest.mark.parametrize("change, match", [
     (lambda a: a.update(q=a["q"].double()), "q must be float32"),
     (lambda a: a.update(q=a["q"].transpose(1, 2)), "q must be a contiguous"),
@@ -102,7 +185,7 @@ def test_tiled_layout_and_append_index():
     (lambda a: a.update(scale=float("nan")), "scale must be finite"),
     (lambda a: a.update(width=1.5), "width"),
 ])
-def test_scores_argument_errors(change, match):
+def test_scores_argument_errors(kernel, change, match):
     q, keys, _, _ = make(3, 2, 3, 64, 48, seed=2)
     args = dict(q=q, tiles=cpu_decode.tile_keys(keys), lens=torch.tensor([5, 48, 7]), width=48, scale=0.125)
     change(args)
@@ -110,8 +193,7 @@ def test_scores_argument_errors(change, match):
         cpu_decode.decode_scores(**args)
 
 
-@needs_kernel
-def test_pv_argument_errors():
+def test_pv_argument_errors(kernel):
     _, _, values, lens = make(2, 1, 2, 32, 32, seed=3)
     with pytest.raises(ValueError, match="values float32"):
         cpu_decode.decode_pv(torch.rand(2, 2, 32), values[:, :30].contiguous(), lens)
@@ -119,27 +201,122 @@ def test_pv_argument_errors():
         cpu_decode.decode_pv(torch.rand(2, 2, 8), values, torch.tensor([9, 3]))
 
 
-def test_switch_and_failed_build_fall_back(monkeypatch, tmp_path):
+def test_switch_and_no_compiler_fall_back(fresh_build, monkeypatch, tmp_path):
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     assert not cpu_decode.available()
     assert not cpu_decode.supports(torch.float32, 64, 3, torch.device("cpu"))
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "1")
-    monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(cpu_decode, "_tried", False)
-    monkeypatch.setattr(cpu_decode, "_library", None)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         assert not cpu_decode.available()
     with pytest.raises(RuntimeError, match="not available"):
         cpu_decode.decode_pv(torch.rand(1, 1, 16), torch.rand(1, 16, 16), torch.tensor([4]))
-    assert not list(tmp_path.iterdir())  # nothing half-built left in the cache
+    assert not fresh_build.exists() or not list(fresh_build.iterdir())  # nothing half-built left
 
 
-@needs_kernel
-def test_build_is_cached(monkeypatch, tmp_path):
-    monkeypatch.setenv("SERVELAB_CACHE", str(tmp_path))
-    first = cpu_decode._build()
-    assert first.parent == tmp_path / "kernels" and first.is_file()
-    stamp = first.stat().st_mtime_ns
-    assert cpu_decode._build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporaries left
+def test_build_is_cached_and_keyed_by_resolved_target(kernel, fresh_build):
+    first = cpu_kernel_build.build()
+    assert first.path.parent == fresh_build and first.path.is_file()
+    assert first.path.name == f"decode_attention-{first.key}.so"
+    stamp = first.path.stat().st_mtime_ns
+    assert cpu_kernel_build.build().path == first.path and first.path.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in fresh_build.iterdir()] == [first.path.name]  # no temporaries left
+    target = cpu_kernel_build.resolved_target(cpu_kernel_build.compiler(), first.flags)
+    if "-march=native" in first.flags:  # the key holds what -march=native resolves to, not a CPU model name
+        assert "-march=" in target or "-target-cpu" in target, target
+
+
+def test_library_built_for_other_flags_is_never_loaded(kernel, fresh_build, monkeypatch):
+    """Machine A (target flags ``-mfake-a``) and machine B (``-mfake-b``) share a cache: B never
+    loads A's file, neither under A's name nor when A's file sits under B's name."""
+    real = cpu_kernel_build.resolved_target
+    machine = {"target": "-mfake-a"}
+    monkeypatch.setattr(cpu_kernel_build, "resolved_target", lambda cc, flags: real(cc, flags) + machine["target"])
+    built_a = cpu_kernel_build.build()
+    machine["target"] = "-mfake-b"
+    path_b = cpu_kernel_build.library_path(cpu_kernel_build.cache_key(
+        cpu_kernel_build.SOURCE.read_bytes(),
+        subprocess.run([cpu_kernel_build.compiler(), "--version"], capture_output=True, text=True).stdout,
+        built_a.flags, cpu_kernel_build.resolved_target(cpu_kernel_build.compiler(), built_a.flags)))
+    assert path_b != built_a.path  # other target flags: another cache entry
+    shutil.copy(built_a.path, path_b)  # A's binary under B's name (a mislabelled or colliding file)
+    assert "build key" in cpu_kernel_build.verify(path_b, path_b.stem.split("-")[-1])
+    built_b = cpu_kernel_build.build()
+    assert built_b.path == path_b and built_b.key != built_a.key
+    built_b.library.servelab_build_key.restype = __import__("ctypes").c_char_p
+    assert built_b.library.servelab_build_key().decode() == built_b.key  # rebuilt for B, then loaded
+
+
+TRAP_SOURCE = r"""
+#include <stdint.h>
+int servelab_abi_version(void) { __builtin_trap(); return 0; }
+"""
+
+
+def test_a_crashing_library_is_survived_then_rebuilt(kernel, fresh_build, monkeypatch, tmp_path):
+    """A cached library that dies in verification (SIGILL/SIGTRAP from ``__builtin_trap``, as an
+    instruction the CPU lacks would) kills only the child; the parent rebuilds it and loads that."""
+    trap = tmp_path / "trap.so"
+    subprocess.run([cpu_kernel_build.compiler(), "-shared", "-fPIC", "-o", str(trap), "-x", "c", "-"],
+                   input=TRAP_SOURCE, text=True, check=True)
+    path = cpu_kernel_build.library_path(kernel.key)  # where this machine's build goes (fresh cache)
+    path.parent.mkdir(parents=True)
+    shutil.copy(trap, path)
+    assert "signal" in cpu_kernel_build.verify(path, kernel.key)
+    rebuilt = cpu_kernel_build.build()
+    assert rebuilt.path == path and rebuilt.key == kernel.key  # rebuilt in place, verified, loaded
+
+
+def test_crashing_builds_fall_back_with_one_warning(kernel, fresh_build, monkeypatch, tmp_path):
+    trap = tmp_path / "trap.so"
+    subprocess.run([cpu_kernel_build.compiler(), "-shared", "-fPIC", "-o", str(trap), "-x", "c", "-"],
+                   input=TRAP_SOURCE, text=True, check=True)
+
+    def compile_trap(cc, flags, key, target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(trap, target)
+
+    monkeypatch.setattr(cpu_kernel_build, "compile_library", compile_trap)
+    with pytest.warns(RuntimeWarning, match="signal") as caught:
+        assert not cpu_decode.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cpu_decode.available()  # the outcome is remembered: no second build, no second warning
+    assert len([w for w in caught if "unavailable" in str(w.message)]) == 1
+
+
+def test_failed_compile_is_an_error_not_a_skip(fresh_build, monkeypatch, tmp_path):
+    """A compiler that rejects the source: every flag set fails, the reasons are reported."""
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler")
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernel_build, "SOURCE", bad)
+    with pytest.raises(KernelBuildError, match="-march=native"):
+        cpu_kernel_build.build()
+
+
+def test_pipeline_construction_builds_the_kernel(kernel, fresh_build, tmp_path):
+    """The ``"sdpa"`` backend builds (and verifies) the kernel when a pipeline is constructed, so the
+    first decode step is not a compile."""
+    from servelab import Pipeline
+    from servelab.models import build_tiny_model, load_model
+
+    model, _ = load_model(build_tiny_model(tmp_path / "tiny", arch="llama", seed=0, hidden_size=64,
+                                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1))
+    assert cpu_kernel_build._built is None
+    Pipeline(model, attention_backend="sdpa", max_num_seqs=2, max_model_len=64, num_blocks=8, block_size=16)
+    assert cpu_kernel_build._built is not None and cpu_kernel_build._built.path.parent == fresh_build
+
+
+def test_build_kernels_command(kernel, fresh_build, monkeypatch, capsys, tmp_path):
+    from servelab.cli import main
+
+    assert main(["build-kernels"]) == 0
+    assert str(fresh_build) in capsys.readouterr().out
+    monkeypatch.setattr(cpu_kernel_build, "_built", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert main(["build-kernels"]) == 1
+    assert "no C compiler" in capsys.readouterr().err
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert main(["build-kernels"]) == 2

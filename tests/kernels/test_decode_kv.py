@@ -10,6 +10,7 @@ the previous step's buffers when the rows are the same.
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+import servelab.attention.buckets as buckets
 import servelab.attention.decode_kv as decode_kv
+from servelab.attention import cpu_decode, cpu_kernel_build
 import servelab.attention.sdpa as sdpa
 from servelab.attention.sdpa import paged_attention, plan_attention
 from servelab.reference import paged_attention as reference_attention
@@ -99,11 +102,12 @@ def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_kv, "HEADROOM", headroom)  # small: buffers outgrown, regathered
         patch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", overhead)  # small: many length buckets
+        patch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", overhead)  # (what decode_kv reads)
         run_loop(lens, heads, head_size, block_size, steps, seed)
 
 
 def test_rows_are_sorted_into_length_buckets(monkeypatch):
-    monkeypatch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", 0)
+    monkeypatch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", 0)
     loop = Loop([30, 3, 17, 3, 25], 4, 2, 8, 4, seed=6)
     rows = list(range(5))
     _, plan = attend(loop, rows)
@@ -125,9 +129,9 @@ def test_rows_are_sorted_into_length_buckets(monkeypatch):
 def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_size, steps, headroom, seed):
     """float32 caches: the C kernel (when buildable) and the torch formulation, each within
     float32 rounding of the float64 reference and carried == fresh bit for bit."""
-    from servelab.attention import cpu_decode
-
     if kernel == "1" and not cpu_decode.available():
+        if shutil.which(cpu_kernel_build.compiler()) is not None:
+            pytest.fail("a C compiler exists but the C kernel did not build (see the warning)")
         pytest.skip("no C compiler: the kernel is not built")
     lens = [max(1, min(n, 4 * min(lens))) for n in lens]
     with pytest.MonkeyPatch.context() as patch:

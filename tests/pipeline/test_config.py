@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from servelab import CacheConfig, Pipeline, PipelineConfig, SamplingParams, SchedulingConfig, SpeculativeConfig
 from servelab.config import flat_names
+from servelab.scheduling import SchedulerConfig
 from servelab.models import load_model, load_tokenizer
 
 
@@ -103,7 +104,7 @@ def test_pipeline_and_from_pretrained_share_one_set_of_defaults(tiny):
     assert a.attention_backend == b.attention_backend == "sdpa"  # "auto" on a CPU when SDPA supports the model
     sched = b.scheduler.config
     assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len) == (
-        64, 512, model.config.max_position_embeddings)
+        SchedulerConfig.max_num_seqs, SchedulerConfig.max_num_batched_tokens, model.config.max_position_embeddings)
     assert b.kv_cache_manager.enable_caching and b.verifier.name == "rejection" and b.drafter is None
     # settings fill the config; the scheduler config is derived from it
     c = Pipeline.from_pretrained(path, config=PipelineConfig.from_kwargs(max_num_seqs=3), block_size=8,

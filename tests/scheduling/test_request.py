@@ -82,7 +82,7 @@ def test_request_metrics():
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8, "max_model_len": 16},
          "max_num_batched_tokens"),
-        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "long_prefill_token_threshold": 8},
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "long_prefill_token_threshold": 8},
          "long_prefill_token_threshold"),
     ],
 )
@@ -101,6 +101,6 @@ def test_scheduler_rejects_a_cache_shorter_than_max_model_len_and_unknown_polici
         Scheduler({"max_num_seqs": 4}, KVCacheManager(spec, 8))
     with pytest.raises(TypeError, match="SchedulingPolicy"):
         Scheduler(SchedulerConfig(), KVCacheManager(spec, 8), object())
-    with pytest.raises(TypeError, match=r"lacks \['cache_blocks'"):
+    with pytest.raises(TypeError, match=r"KVCacheManagerProtocol: it lacks .*cache_blocks\(\)"):
         Scheduler(SchedulerConfig(), SimpleNamespace(block_size=4, enable_caching=False, get_computed_blocks=None,
                                                      allocate_slots=None, free=None, get_block_ids=None))

@@ -1,7 +1,8 @@
 /* Decode attention over dense per-head K/V on a CPU, float32.
  *
- * Built on first use by servelab/attention/cpu_decode.py (the system C
- * compiler, -O3 -march=native) and called through ctypes; the PyTorch
+ * Built by servelab/attention/cpu_kernel_build.py (the system C compiler,
+ * -O3 -march=native -fopenmp, each flag dropped if the compiler refuses it)
+ * and called through ctypes; the PyTorch
  * formulation in servelab/attention/decode_kv.py is the reference and the
  * fallback. Why a kernel: a decode step's attention is two skinny products
  * per KV head (the G query heads of a GQA group against one context),
@@ -29,10 +30,24 @@
  * Summation order (deterministic): every dot product accumulates over d (or
  * over l) in increasing order in one float32 lane, with fused multiply-adds
  * where the target has them.
+ *
+ * Threads: scores and values split the H heads (sequences x KV heads) into
+ * contiguous ranges of about equal work (context positions), one per thread,
+ * up to num_threads (the caller passes torch.get_num_threads(): with OpenMP
+ * the kernel shares torch's OpenMP runtime, so the two never oversubscribe).
+ * A head is computed by one thread in the order above, so results are the
+ * same bits for every thread count. Without OpenMP the loops run serially.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef SERVELAB_BUILD_KEY
+#define SERVELAB_BUILD_KEY "unkeyed"
+#endif
 
 typedef float vf __attribute__((vector_size(64)));  /* 16 floats: zmm, 2 ymm or 4 q registers */
 #define LANES 16
@@ -103,28 +118,165 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 3; }
+int servelab_abi_version(void) { return 5; }
+
+/* The cache key this library was built under (compiler, flags, resolved target
+ * features, source): the loader refuses a file whose key is not its own. */
+const char* servelab_build_key(void) { return SERVELAB_BUILD_KEY; }
+
+int servelab_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Below this many multiply-adds a call stays on one thread (waking a team costs more). */
+#define MIN_PARALLEL_WORK 32768
+
+/* Threads worth using for H heads of the given lengths: at most num_threads and H. */
+static int team_size(const int64_t* lens, int64_t heads, int64_t kv_per_row, int64_t per_position,
+                     int64_t num_threads) {
+    if (num_threads <= 1 || heads <= 1) return 1;
+    int64_t work = 0;
+    for (int64_t r = 0; r < heads / kv_per_row; ++r) work += lens[r];
+    if (work * kv_per_row * per_position < MIN_PARALLEL_WORK) return 1;
+    return (int)(num_threads < heads ? num_threads : heads);
+}
+
+static inline int64_t head_cost(const int64_t* lens, int64_t h, int64_t kv_per_row) {
+    return lens[h / kv_per_row] + LANES;  /* context positions plus a tile of fixed overhead */
+}
+
+/* Heads [*lo, *hi) of thread t of n: contiguous ranges of about equal work; a head
+ * goes to the thread whose share holds the middle of its work. */
+static void head_range(const int64_t* lens, int64_t heads, int64_t kv_per_row, int t, int n,
+                       int64_t* lo, int64_t* hi) {
+    if (n == 1) { *lo = 0; *hi = heads; return; }
+    int64_t total = 0;
+    for (int64_t h = 0; h < heads; ++h) total += head_cost(lens, h, kv_per_row);
+    const int64_t begin = total * t / n, end = total * (t + 1) / n;
+    int64_t acc = 0, h = 0;
+    while (h < heads && 2 * acc + head_cost(lens, h, kv_per_row) < 2 * begin) acc += head_cost(lens, h++, kv_per_row);
+    *lo = h;
+    while (h < heads && 2 * acc + head_cost(lens, h, kv_per_row) < 2 * end) acc += head_cost(lens, h++, kv_per_row);
+    *hi = t == n - 1 ? heads : h;
+}
+
+/* One team of `team` threads (a variable of that name in scope), each running the block
+ * after it; serial without OpenMP. */
+#ifdef _OPENMP
+#define THREAD_ID omp_get_thread_num()
+#define TEAM_SIZE omp_get_num_threads()
+#define PARALLEL_TEAM _Pragma("omp parallel num_threads(team)")
+#else
+#define THREAD_ID 0
+#define TEAM_SIZE 1
+#define PARALLEL_TEAM (void)team;
+#endif
 
 /* q_row_stride: elements between the queries of consecutive rows (kv_per_row * group *
  * head_size when q is contiguous; more when q is a slice of a fused QKV output). */
 void servelab_decode_scores(const float* q, int64_t q_row_stride, const float* kt, const int64_t* lens,
                             float* scores, int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
-                            int64_t cap, int64_t width, float scale) {
+                            int64_t cap, int64_t width, float scale, int64_t num_threads) {
     const scores_fn f = SCORES[group - 1];
-    for (int64_t h = 0; h < heads; ++h)
-        f(q + (h / kv_per_row) * q_row_stride + (h % kv_per_row) * group * head_size,
-          kt + h * head_size * cap, lens[h / kv_per_row],
-          scores + h * group * width, head_size, width, scale);
+    const int team = team_size(lens, heads, kv_per_row, group * head_size, num_threads);
+    PARALLEL_TEAM
+    {
+        int64_t lo, hi;
+        head_range(lens, heads, kv_per_row, THREAD_ID, TEAM_SIZE, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h)
+            f(q + (h / kv_per_row) * q_row_stride + (h % kv_per_row) * group * head_size,
+              kt + h * head_size * cap, lens[h / kv_per_row],
+              scores + h * group * width, head_size, width, scale);
+    }
 }
 
 void servelab_decode_pv(const float* p, const float* v, const int64_t* lens, float* out,
                         int64_t heads, int64_t kv_per_row, int64_t group, int64_t head_size,
-                        int64_t cap, int64_t width) {
+                        int64_t cap, int64_t width, int64_t num_threads) {
     const int wide = group <= 4 ? 4 : 2;
     const pv_fn f = head_size % (wide * LANES) == 0 ? PV_WIDE[group - 1] : PV_NARROW[group - 1];
-    for (int64_t h = 0; h < heads; ++h)
-        f(p + h * group * width, v + h * cap * head_size, lens[h / kv_per_row],
-          out + h * group * head_size, head_size, width);
+    const int team = team_size(lens, heads, kv_per_row, group * head_size, num_threads);
+    PARALLEL_TEAM
+    {
+        int64_t lo, hi;
+        head_range(lens, heads, kv_per_row, THREAD_ID, TEAM_SIZE, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h)
+            f(p + h * group * width, v + h * cap * head_size, lens[h / kv_per_row],
+              out + h * group * head_size, head_size, width);
+    }
+}
+
+/* exp(x) for x <= 0 (softmax arguments, max already subtracted): Cephes' single-precision
+ * polynomial on x - n ln2, scaled by 2^n through the exponent bits; within 2 ulp of expf
+ * on [-87, 0], and below -87 (a weight under 1e-38 next to the maximum's 1) it returns
+ * exp(-87). No libm call, so the loops below vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+/* In place over s[0, len): s = exp(s - max) / sum. Max and sum in 16 lanes (positions
+ * l % 16), lanes combined in increasing order: deterministic. */
+static void softmax_row(float* s, int64_t len) {
+    float lane_max[LANES], lane_sum[LANES];
+    for (int j = 0; j < LANES; ++j) lane_max[j] = -INFINITY, lane_sum[j] = 0.0f;
+    int64_t l = 0;
+    for (; l + LANES <= len; l += LANES)
+        for (int j = 0; j < LANES; ++j) lane_max[j] = s[l + j] > lane_max[j] ? s[l + j] : lane_max[j];
+    for (int j = 0; l + j < len; ++j) lane_max[j] = s[l + j] > lane_max[j] ? s[l + j] : lane_max[j];
+    float m = lane_max[0];
+    for (int j = 1; j < LANES; ++j) m = lane_max[j] > m ? lane_max[j] : m;
+    for (l = 0; l < len; ++l) s[l] = exp_nonpositive(s[l] - m);
+    for (l = 0; l + LANES <= len; l += LANES)
+        for (int j = 0; j < LANES; ++j) lane_sum[j] += s[l + j];
+    for (int j = 0; l + j < len; ++j) lane_sum[j] += s[l + j];
+    float total = 0.0f;
+    for (int j = 0; j < LANES; ++j) total += lane_sum[j];
+    const float inv = 1.0f / total;
+    for (l = 0; l < len; ++l) s[l] *= inv;
+}
+
+/* The whole decode attention of every head in one parallel region (one team wake-up
+ * per layer, not one per product): per head, its scores into scores[h] (workspace
+ * [H, G, width]), a softmax per query head, then the values into out[h] [G, D], while
+ * the head's scores are still in the cache. */
+void servelab_decode_attention(const float* q, int64_t q_row_stride, const float* kt, const float* v,
+                               const int64_t* lens, float* scores, float* out, int64_t heads, int64_t kv_per_row,
+                               int64_t group, int64_t head_size, int64_t cap, int64_t width, float scale,
+                               int64_t num_threads) {
+    const scores_fn sf = SCORES[group - 1];
+    const int wide = group <= 4 ? 4 : 2;
+    const pv_fn pf = head_size % (wide * LANES) == 0 ? PV_WIDE[group - 1] : PV_NARROW[group - 1];
+    const int team = team_size(lens, heads, kv_per_row, 2 * group * head_size, num_threads);
+    PARALLEL_TEAM
+    {
+        int64_t lo, hi;
+        head_range(lens, heads, kv_per_row, THREAD_ID, TEAM_SIZE, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h) {
+            const int64_t len = lens[h / kv_per_row];
+            float* s = scores + h * group * width;
+            sf(q + (h / kv_per_row) * q_row_stride + (h % kv_per_row) * group * head_size,
+               kt + h * head_size * cap, len, s, head_size, width, scale);
+            for (int64_t g = 0; g < group; ++g) softmax_row(s + g * width, len);
+            pf(s, v + h * cap * head_size, len, out + h * group * head_size, head_size, width);
+        }
+    }
 }
 
 /* Append each row's newest position (lens[r] - 1) from the paged cache into the

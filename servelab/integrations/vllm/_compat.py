@@ -11,6 +11,7 @@ releases, so other versions are refused rather than half-working). Set
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 SUPPORTED_VLLM = ("0.33",)
@@ -46,8 +47,9 @@ def require_vllm() -> str:
     """Import vLLM and check its version; returns it. ``ImportError`` with the
     install recipe when vLLM is missing, :class:`UnsupportedVLLMVersion` when
     it is the wrong version. Without CUDA, sets ``VLLM_TARGET_DEVICE=cpu``
-    (unless already set) before vLLM is imported."""
-    if "VLLM_TARGET_DEVICE" not in os.environ:
+    (unless already set) before vLLM is first imported; once vLLM is imported
+    (inside a vLLM process, or a plugin) the environment is left alone."""
+    if "VLLM_TARGET_DEVICE" not in os.environ and "vllm" not in sys.modules:
         # vLLM's CPU-side classes (scheduler, KV cache manager) need the CPU platform on a machine
         # without CUDA; with CUDA, vLLM detects the platform itself.
         import torch

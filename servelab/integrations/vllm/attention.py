@@ -22,11 +22,13 @@ reason — never a silent fallback to vLLM's kernels.
 Registration goes through vLLM's backend registry (``register_backend``):
 :func:`register` puts the class under ``AttentionBackendEnum.CUSTOM`` (or a
 new name); select it with ``LLM(..., attention_config={"backend": "CUSTOM"})``.
-vLLM's general-plugin mechanism can call :func:`register` in every engine
-process: declare the entry point ``[project.entry-points."vllm.general_plugins"]
-servelab_attention = "servelab.integrations.vllm.attention:register"`` (needed
-when vLLM spawns worker processes; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps
-one process, which is what ``bench/gpu/vllm_integration.py`` does).
+servelab's ``vllm.general_plugins`` entry point
+(:func:`servelab.integrations.vllm_plugin.load`) calls :func:`register` in every
+engine process, but only when the user opts in with
+``SERVELAB_VLLM_ATTENTION=1`` (needed when vLLM spawns worker processes);
+otherwise it does nothing. Calling :func:`register` yourself is the other
+opt-in (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps one process, which is what
+``bench/gpu/vllm_integration.py`` does).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from servelab._internal.conformance import check_conforms
 from servelab._internal.registry import Registry
 from servelab.samplers.interfaces import Verifier
 
@@ -38,15 +39,12 @@ DEFAULT_VERIFIER = "rejection"
 
 
 def check_verifier(obj: object) -> None:
-    """Raise ``TypeError`` unless ``obj`` implements the :class:`Verifier` protocol."""
-    missing = []
-    if not callable(getattr(obj, "verify", None)):
-        missing.append("verify(draft_token_ids, num_draft_tokens, target_probs, draft_probs, *, greedy, generators)")
-    if not isinstance(getattr(obj, "name", None), str):
-        missing.append("name (a str)")
-    if missing:
-        raise TypeError(f"verifier {type(obj).__name__} lacks {' and '.join(missing)}; see "
-                        "servelab.samplers.interfaces.Verifier")
+    """Raise ``TypeError`` unless ``obj`` implements the :class:`Verifier` protocol
+    (every missing member named; ``name`` must be a str)."""
+    check_conforms(obj, Verifier, "verifier")
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str):
+        raise TypeError(f"verifier {type(obj).__name__}.name must be a str, got {type(name).__name__}")
 
 
 _VERIFIERS: Registry[Verifier] = Registry("verifier", factory=True, check=check_verifier)

@@ -7,7 +7,11 @@ take seconds on one CPU core.
 
 - :mod:`.workload`: Poisson / gamma arrivals, fixed / uniform / lognormal /
   CSV lengths, shared-prefix groups, clients, priorities.
-- :mod:`.cost_model`: ``StepCostModel`` and its least-squares ``fit``.
+- :mod:`.cost_model`: ``StepCostModel`` (prefill / decode / per-sequence /
+  attention terms) and its least-squares ``fit``; :mod:`.calibrate`:
+  ``calibrate(pipe)`` fits it to a real ``Pipeline``'s measured steps;
+  :mod:`.hardware`: ``StepCostModel.for_hardware(hardware, model)``, a roofline
+  on a shipped table of GPUs and this CPU (``hardware.json``, sourced).
 - :mod:`.engine`: ``simulate`` and ``compare_policies`` (``engine="servelab"``
   or ``engine="vllm"``: the same trace through vLLM's real scheduler, see
   :mod:`.vllm_engine`; vLLM is imported only then).
@@ -24,7 +28,17 @@ Example::
     print(format_table(results))
 """
 
+from servelab.scheduling.simulator.calibrate import calibrate, measure_steps
 from servelab.scheduling.simulator.cost_model import StepCostModel
+from servelab.scheduling.simulator.features import FEATURES, step_features
+from servelab.scheduling.simulator.hardware import (
+    MODEL_PRESETS,
+    Hardware,
+    ModelShape,
+    RooflineCostModel,
+    hardware_table,
+    roofline_cost_model,
+)
 from servelab.scheduling.simulator.engine import ENGINES, VirtualClock, compare_policies, simulate
 from servelab.scheduling.simulator.metrics import ClientStats, LatencySummary, SimulationResult
 from servelab.scheduling.simulator.report import format_client_table, format_table, plot_results, write_csv
@@ -39,7 +53,8 @@ from servelab.scheduling.simulator.workload import (
 )
 
 __all__ = [
-    "ENGINES", "SHIPPED_TRACES", "BlockTokens", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult",
+    "ENGINES", "FEATURES", "MODEL_PRESETS", "Hardware", "ModelShape", "RooflineCostModel", "calibrate",
+    "hardware_table", "measure_steps", "roofline_cost_model", "step_features", "SHIPPED_TRACES", "BlockTokens", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult",
     "StepCostModel", "Trace", "TraceRequest", "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
     "generate_workload", "load_trace", "load_trace_csv", "plot_results", "simulate", "validate_trace", "write_csv",
 ]

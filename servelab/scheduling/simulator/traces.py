@@ -210,7 +210,7 @@ def _positive_int(path, line: int, row: dict, key: str, minimum: int) -> int:
 
 
 def _read_mooncake(path) -> list[TraceRequest]:
-    out = []
+    out: list[TraceRequest] = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -274,7 +274,8 @@ def _read_azure(path) -> list[TraceRequest]:
     if not rows:
         raise ValueError(f"trace {path} has no rows")
     start = min(stamps)
-    out, offset = [], 0
+    out: list[TraceRequest] = []
+    offset = 0
     for i, (stamp, (n_in, n_out)) in enumerate(zip(stamps, lengths)):
         # Disjoint token ranges: no prompt shares a prefix with another (the trace has no prefix information).
         out.append(TraceRequest(f"req-{i}", stamp - start, range(offset, offset + n_in), n_out))

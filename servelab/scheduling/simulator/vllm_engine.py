@@ -96,7 +96,7 @@ def simulate_vllm(
 
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
     validate_trace(requests)
-    config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    config = scheduler_config or SchedulerConfig()
     cost = cost_model or StepCostModel()
     cls, native = _scheduler_cls(policy)
     sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
@@ -106,7 +106,7 @@ def simulate_vllm(
                             watermark=watermark, policy=native, reserve_full_prompt=True)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     tracks = {r.request_id: _Track(r) for r in ordered}
-    pending = [make_request(r.request_id, r.prompt_token_ids, r.max_tokens, arrival_time=r.arrival_time,
+    pending = [make_request(r.request_id, list(r.prompt_token_ids), r.max_tokens, arrival_time=r.arrival_time,
                             priority=r.priority, client_id=r.client_id, block_size=block_size) for r in ordered]
     by_id = {r.request_id: r for r in pending}
     now = ordered[0].arrival_time if ordered else 0.0

@@ -1,0 +1,62 @@
+"""Splitting a step's sequences into padded SDPA problems of least cost.
+
+Shared by the SDPA backend's per-step plan (:mod:`servelab.attention.sdpa`) and the
+carried decode K/V (:mod:`servelab.attention.decode_kv`), which buckets decode
+contexts the same way; kept apart so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["BUCKET_OVERHEAD", "DECODE_BUCKET_OVERHEAD", "MAX_BUCKET", "bucket_sequences"]
+
+
+BUCKET_OVERHEAD = 4096
+"""Cost of one more prefill SDPA problem per layer (gathers, mask, call,
+scatter), in padded (query row, key) pairs: :func:`bucket_sequences` splits
+a bucket only where that saves more pairs than this. Measured on a CPU, one
+thread: a group's fixed cost per layer is ~100 us, about the time SDPA spends
+on this many pairs at SmolLM2's 9 x 64 query width."""
+
+DECODE_BUCKET_OVERHEAD = 512
+"""The same for decode buckets. A decode pair costs more (its K/V row is
+gathered for one query row only), so a padded key is worth more."""
+
+MAX_BUCKET = 64
+"""Longest run of sequences :func:`bucket_sequences` considers for one bucket
+(bounds its quadratic search; ``O(64 n)`` host work per step)."""
+
+
+def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
+                    overhead: int = BUCKET_OVERHEAD) -> list[list[int]]:
+    """Partition sequences into padded SDPA problems of least total cost.
+
+    Sequences are sorted by context length (query length breaking ties) and
+    cut into contiguous runs; a run of ``n`` sequences costs ``overhead +
+    n * max(q_lens) * max(kv_lens)`` padded score pairs. An exact dynamic
+    program over cut points (runs of at most :data:`MAX_BUCKET`).
+
+    Args:
+        q_lens, kv_lens: per-sequence query rows and context length (``kv >= q``).
+        overhead: fixed cost of one more bucket, in pairs.
+
+    Returns:
+        Buckets of indices into the inputs, shortest first; every index once.
+    """
+    order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
+    n = len(order)
+    best: list[float] = [0.0] + [math.inf] * n  # best[j]: least cost of order[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        max_q, max_kv = 0, kv_lens[order[j - 1]]  # sorted: the run's last sequence has the longest context
+        for i in range(j - 1, max(-1, j - 1 - MAX_BUCKET), -1):
+            max_q = max(max_q, q_lens[order[i]])
+            cost = best[i] + overhead + (j - i) * max_q * max_kv
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]

@@ -1,0 +1,268 @@
+"""Build, cache, verify and load the C decode-attention kernel (``csrc/decode_attention.c``).
+
+Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
+(``available()``), which the ``"sdpa"`` backend calls when a pipeline is
+constructed (so the first decode step is not a compile), and by
+``servelab build-kernels``. It runs once per process (under a lock) and
+returns the loaded library or raises :class:`KernelBuildError`.
+
+Flags. The source is compiled with ``$CC`` (default ``cc``) under the first
+of :data:`FLAG_SETS` that compiles and verifies: ``-O3 -march=native
+-fopenmp``, then without OpenMP, then without ``-march=native``, then
+``-O3`` alone.
+
+Cache key. One file per ``(source, compiler version, flags, resolved
+target)`` under :func:`servelab._internal.paths.kernel_cache_dir`
+(``<cache root>/kernels/``, or ``$SERVELAB_KERNEL_CACHE``),
+named by a hash of the four. The *resolved target* is what the compiler will
+really generate code for with those flags: the target options the driver
+hands its compiler proper (``cc <flags> -### -E -x c /dev/null``: gcc's
+``-march=znver3 -mavx512f -mno-amx-tile ...``, clang's ``-target-cpu`` and
+``-target-feature`` list), so two machines that share a home directory share
+a binary only when ``-march=native`` means the same instructions on both
+(a CPU *model name*, or a VM that masks features, is not enough). The hash
+is also compiled into the library (``servelab_build_key()``), and a library
+whose embedded key is not the expected one is never loaded.
+
+Verification. Before the process loads a library it runs every entry point
+once in a child process (:data:`_VERIFY_SCRIPT`, ``ctypes`` only, no torch):
+an instruction the CPU lacks kills the child with SIGILL, which the parent
+survives; the library is then rebuilt once (it may be stale or corrupt) and,
+failing again, the next flag set is tried. Verified once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from servelab._internal.paths import kernel_cache_dir
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+ABI_VERSION = 5
+FLAG_SETS: tuple[tuple[str, ...], ...] = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-march=native"),
+    ("-O3", "-fopenmp"),
+    ("-O3",),
+)
+_TIMEOUT_S = 300
+
+
+class KernelBuildError(RuntimeError):
+    """No flag set gave a library that compiled and verified (or no compiler); the message says why."""
+
+
+@dataclass(frozen=True)
+class BuiltKernel:
+    """A verified, loaded kernel library: its file, cache key, flags and OpenMP support."""
+
+    library: ctypes.CDLL
+    path: Path
+    key: str
+    flags: tuple[str, ...]
+    openmp: bool
+
+
+_built: BuiltKernel | None = None
+_error: KernelBuildError | None = None
+_lock = threading.Lock()
+
+
+def compiler() -> str:
+    """``$CC``, else ``cc``."""
+    return os.environ.get("CC", "cc")
+
+
+def resolved_target(cc: str, flags: tuple[str, ...]) -> str:
+    """The target options ``cc`` resolves ``flags`` to (gcc: ``-march=...``, ``-m<feature>`` /
+    ``-mno-<feature>``, cache ``--param``\\ s; clang: ``-target-cpu``, ``-target-feature``),
+    one per line, in the driver's order. Raises :class:`KernelBuildError` when the driver
+    prints none (a compiler that hides them cannot be keyed safely with ``-march=native``)."""
+    done = subprocess.run([cc, *flags, "-###", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                          timeout=60)
+    picked: list[str] = []
+    for line in (done.stderr + done.stdout).splitlines():
+        try:
+            tokens = shlex.split(line)
+        except ValueError:
+            continue
+        if not tokens or not any(t in ("-E", "-cc1") for t in tokens[1:]):
+            continue  # not the compiler-proper command line
+        for previous, token in zip([""] + tokens, tokens):
+            if previous in ("-target-cpu", "-target-feature", "-triple", "--param", "-tune-cpu"):
+                picked.append(f"{previous} {token}")
+            elif token.startswith("-m") and not token.startswith("-mrelocation"):
+                picked.append(token)
+    if not picked and "-march=native" in flags:
+        raise KernelBuildError(f"{cc} does not show what -march=native resolves to (cc -### printed no target "
+                               "options), so a cached binary could not be matched to this CPU")
+    return "\n".join(picked)
+
+
+def cache_key(source: bytes, version: str, flags: tuple[str, ...], target: str) -> str:
+    """16 hex digits hashing everything that decides the binary."""
+    parts = [source, version.encode(), " ".join(flags).encode(), target.encode(), str(ABI_VERSION).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def library_path(key: str) -> Path:
+    """Where the library of cache key ``key`` lives."""
+    return kernel_cache_dir() / f"decode_attention-{key}.so"
+
+
+def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> str | None:
+    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never sees a
+    partial file); ``None`` on success, else the compiler's last error line."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        done = subprocess.run([cc, *flags, f'-DSERVELAB_BUILD_KEY="{key}"', "-shared", "-fPIC", "-o",
+                               str(partial), str(SOURCE)], capture_output=True, text=True, timeout=_TIMEOUT_S)
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines()[-1:] or ["unknown error"])[0]
+        os.replace(partial, target)
+    return None
+
+
+# Runs every entry point on small inputs (GQA groups 1-8, both value loops, 2 threads) and
+# checks the embedded key. ctypes only: quick to start, and a SIGILL kills only this child.
+_VERIFY_SCRIPT = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+assert lib.servelab_abi_version() == int(sys.argv[3]), "ABI version"
+lib.servelab_build_key.restype = ctypes.c_char_p
+assert lib.servelab_build_key().decode() == sys.argv[2], "embedded build key"
+P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+lib.servelab_decode_scores.argtypes = [P, I, P, P, P, I, I, I, I, I, I, F, I]
+lib.servelab_decode_pv.argtypes = [P, P, P, P, I, I, I, I, I, I, I]
+lib.servelab_decode_append.argtypes = [P, P, P, P, P, P, I, I, I, I]
+lib.servelab_decode_attention.argtypes = [P, I, P, P, P, P, P, I, I, I, I, I, I, F, I]
+rows, kv, cap = 2, 2, 64
+for d in (16, 64):
+    for g in range(1, 9):
+        heads = rows * kv
+        q = (ctypes.c_float * (heads * g * d))(*[0.5] * (heads * g * d))
+        k = (ctypes.c_float * (heads * cap * d))(*[0.25] * (heads * cap * d))
+        lens = (ctypes.c_int64 * rows)(cap, 17)
+        s = (ctypes.c_float * (heads * g * cap))()
+        out = (ctypes.c_float * (heads * g * d))()
+        lib.servelab_decode_scores(q, kv * g * d, k, lens, s, heads, kv, g, d, cap, cap, 1.0, 2)
+        assert abs(s[0] - 0.125 * d) < 1e-3, s[0]
+        lib.servelab_decode_pv(s, k, lens, out, heads, kv, g, d, cap, cap, 2)
+        lib.servelab_decode_attention(q, kv * g * d, k, k, lens, s, out, heads, kv, g, d, cap, cap, 1.0, 2)
+        assert abs(out[0] - 0.25) < 1e-5, out[0]  # uniform weights over equal values
+        slots = (ctypes.c_int64 * rows)(0, 1)
+        tiles, values = (ctypes.c_float * (heads * cap * d))(), (ctypes.c_float * (heads * cap * d))()
+        lib.servelab_decode_append(k, k, slots, lens, tiles, values, rows, kv, d, cap)
+        assert tiles[(cap - 1) // 16 * d * 16 + (cap - 1) % 16] == 0.25
+print("ok")
+"""
+
+
+def verify(path: Path, key: str) -> str | None:
+    """Run :data:`_VERIFY_SCRIPT` on ``path`` in a child process; ``None`` if it passed, else why not."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", _VERIFY_SCRIPT, str(path), key, str(ABI_VERSION)],
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "verification timed out"
+    if done.returncode == 0 and done.stdout.strip().endswith("ok"):
+        return None
+    if done.returncode < 0:
+        return f"verification child killed by signal {-done.returncode} (an instruction this CPU lacks?)"
+    lines = done.stderr.strip().splitlines()
+    return f"verification failed: {lines[-1] if lines else f'exit status {done.returncode}'}"
+
+
+def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
+    lib = ctypes.CDLL(str(path))
+    lib.servelab_build_key.restype = ctypes.c_char_p
+    if lib.servelab_abi_version() != ABI_VERSION or lib.servelab_build_key().decode() != key:
+        raise KernelBuildError(f"{path} is not the library it claims to be (ABI or build key mismatch)")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.servelab_decode_scores.argtypes = [p, i, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    lib.servelab_decode_scores.restype = None
+    lib.servelab_decode_pv.argtypes = [p, p, p, p, i, i, i, i, i, i, i]
+    lib.servelab_decode_pv.restype = None
+    lib.servelab_decode_append.argtypes = [p, p, p, p, p, p, i, i, i, i]
+    lib.servelab_decode_append.restype = None
+    lib.servelab_decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    lib.servelab_decode_attention.restype = None
+    return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
+
+
+def _build_one(cc: str, version: str, source: bytes, flags: tuple[str, ...]) -> BuiltKernel | str:
+    """A verified library for one flag set, or why there is none."""
+    try:
+        key = cache_key(source, version, flags, resolved_target(cc, flags))
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{' '.join(flags)}: {error}"
+    path = library_path(key)
+    cached = path.is_file()
+    for attempt in range(2):  # a cached file that fails verification is rebuilt once
+        if not cached or attempt == 1:
+            failure = compile_library(cc, flags, key, path)
+            if failure is not None:
+                return f"{' '.join(flags)}: {failure}"
+        failure = verify(path, key)
+        if failure is None:
+            return _bind(path, key, flags)
+        if not cached:
+            break
+    return f"{' '.join(flags)}: {failure}"
+
+
+def build() -> BuiltKernel:
+    """Compile (or reuse from the cache), verify and load the kernel: the first flag set of
+    :data:`FLAG_SETS` that works. Raises :class:`KernelBuildError` with every reason."""
+    cc = compiler()
+    if shutil.which(cc) is None:
+        raise KernelBuildError(f"no C compiler ({cc!r} not found; set CC)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise KernelBuildError(f"{cc} --version failed: {error}") from None
+    source = SOURCE.read_bytes()
+    reasons = []
+    for flags in FLAG_SETS:
+        outcome = _build_one(cc, version, source, flags)
+        if isinstance(outcome, BuiltKernel):
+            return outcome
+        reasons.append(outcome)
+    raise KernelBuildError(f"{cc} gave no working kernel ({'; '.join(reasons)})")
+
+
+def load() -> BuiltKernel:
+    """:func:`build` once per process (later calls return the same library, or raise the same error)."""
+    global _built, _error
+    if _built is not None:
+        return _built
+    with _lock:  # one build per process, even when two threads start decoding at once
+        if _built is None and _error is None:
+            try:
+                _built = build()
+            except KernelBuildError as error:
+                _error = error
+            except (OSError, subprocess.SubprocessError) as error:
+                _error = KernelBuildError(str(error))
+    if _built is None:
+        raise _error  # type: ignore[misc]
+    return _built
+
+
+def reset() -> None:
+    """Forget this process's build outcome (tests; a new ``$CC`` or cache root). A library
+    already loaded stays mapped; the next :func:`load` builds or verifies again."""
+    global _built, _error
+    with _lock:
+        _built, _error = None, None

@@ -1,0 +1,195 @@
+"""First-principles step times: a model's shapes on a piece of hardware, as a roofline per op group.
+
+One step of ``T`` tokens over ``S`` sequences reading ``K`` KV positions (and
+``Q`` causal query-key pairs in prefill chunks) costs::
+
+    step_overhead + seq_overhead * S
+    + max(GEMM FLOPs / (peak_flops * gemm_eff),  weight bytes / (mem_bw * bw_eff))       linear layers + LM head
+    + max(attn FLOPs / (peak_flops * attn_eff),  KV bytes / (mem_bw * bw_eff))           attention
+
+- GEMM FLOPs = 2 * (linear parameters) * T + 2 * hidden * vocab * S (one logits row per sequence);
+  the weights are read once per step.
+- attention FLOPs = 4 * layers * heads * head_dim * (Q + decode reads); KV bytes = K * 2 * layers *
+  kv_heads * head_dim * dtype bytes (every position a sequence attends to is read once per step).
+
+The hardware table (``hardware.json`` beside this module) gives peak dense
+FLOP/s, memory bandwidth, efficiency per op group and per-step / per-sequence
+overheads for A100-80GB, H100-SXM, H200, L40S, MI300X and ``cpu-measured``
+(this machine, one thread), each number with its source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from importlib import resources
+from typing import Any
+
+from servelab.scheduling.simulator.features import step_features
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device of the table (see the module docstring for the fields' meaning)."""
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+    memory_bytes: float
+    gemm_efficiency: float
+    attention_efficiency: float
+    bandwidth_efficiency: float
+    step_overhead_s: float
+    seq_overhead_s: float
+    sources: dict
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float" and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Hardware {self.name!r}: {f.name}={value!r}; valid: a finite number >= 0")
+        for name in ("peak_flops", "mem_bw", "gemm_efficiency", "attention_efficiency", "bandwidth_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Hardware {self.name!r}: {name} must be > 0")
+
+
+def hardware_table() -> dict[str, Hardware]:
+    """The shipped table, by name."""
+    text = (resources.files("servelab.scheduling.simulator") / "hardware.json").read_text()
+    raw = json.loads(text)
+    return {name: Hardware(name=name, **entry) for name, entry in raw.items() if not name.startswith("_")}
+
+
+def get_hardware(hardware: str | Hardware) -> Hardware:
+    if isinstance(hardware, Hardware):
+        return hardware
+    table = hardware_table()
+    if hardware not in table:
+        raise ValueError(f"hardware={hardware!r} is not in the table; valid: {', '.join(table)} (or a Hardware)")
+    return table[hardware]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a step's cost depends on: a dense decoder's shapes and dtype."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dtype":
+                if value not in DTYPE_BYTES:
+                    raise ValueError(f"ModelShape.dtype={value!r}; valid: {', '.join(DTYPE_BYTES)}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape.{f.name}={value!r}; valid: an int >= 1")
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: str | None = None) -> ModelShape:
+        """From a Hugging Face style config (object or dict: ``num_hidden_layers``, ``hidden_size``,
+        ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``intermediate_size``,
+        ``vocab_size``, ``torch_dtype``) or a preset name (:data:`MODEL_PRESETS`)."""
+        if isinstance(config, ModelShape):
+            return config
+        if isinstance(config, str):
+            if config not in MODEL_PRESETS:
+                raise ValueError(f"model={config!r} is not a preset; valid: {', '.join(MODEL_PRESETS)} or a config")
+            return MODEL_PRESETS[config]
+        raw: dict[str, Any] = dict(config) if isinstance(config, dict) else {
+            k: getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "intermediate_size",
+                                                  "vocab_size", "torch_dtype", "dtype")}
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            raw_dtype = dtype or raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+            return cls(int(raw["num_hidden_layers"]), hidden, heads, int(raw.get("num_key_value_heads") or heads),
+                       int(raw.get("head_dim") or hidden // heads), int(raw["intermediate_size"]),
+                       int(raw["vocab_size"]), str(raw_dtype).replace("torch.", ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"model config {config!r:.120} lacks a shape field: {exc}") from None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear maps (q, k, v, o, gate, up, down)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        return self.num_layers * (attn + 3 * h * self.intermediate_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    # Shapes from the models' published config.json files.
+    "llama-3.1-8b": ModelShape(32, 4096, 32, 8, 128, 14336, 128256, "bfloat16"),
+    "llama-3.1-70b": ModelShape(80, 8192, 64, 8, 128, 28672, 128256, "bfloat16"),
+    "qwen2.5-7b": ModelShape(28, 3584, 28, 4, 128, 18944, 152064, "bfloat16"),
+    "smollm2-135m": ModelShape(30, 576, 9, 3, 64, 1536, 49152, "float32"),
+}
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Step time of ``model`` on ``hardware`` (see the module docstring); ``time_of(out)`` for the simulator."""
+
+    hardware: Hardware
+    model: ModelShape
+    tensor_parallel: int = 1
+
+    def step_time(self, num_tokens: int, num_kv_tokens: int, num_seqs: int = 0, num_prefill_tokens: int = 0,
+                  attn_pairs: float = 0.0) -> float:
+        return sum(self.breakdown(num_tokens, num_kv_tokens, num_seqs, num_prefill_tokens, attn_pairs).values())
+
+    def breakdown(self, num_tokens: int, num_kv_tokens: int, num_seqs: int = 0, num_prefill_tokens: int = 0,
+                  attn_pairs: float = 0.0) -> dict[str, float]:
+        """Seconds per op group: ``overhead``, ``gemm``, ``attention``."""
+        hw, m, tp = self.hardware, self.model, self.tensor_parallel
+        seqs = max(num_seqs, 1 if num_tokens else 0)
+        flops = hw.peak_flops * tp
+        bw = hw.mem_bw * hw.bandwidth_efficiency * tp
+        lm_head = m.hidden_size * m.vocab_size
+        gemm_flops = 2.0 * m.linear_params * num_tokens + 2.0 * lm_head * seqs
+        weight_bytes = (m.linear_params + lm_head) * m.dtype_bytes
+        gemm = max(gemm_flops / (flops * hw.gemm_efficiency), weight_bytes / bw) if num_tokens else 0.0
+        decode_reads = max(num_kv_tokens - num_prefill_tokens, 0)
+        attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * (attn_pairs + decode_reads)
+        attention = max(attn_flops / (flops * hw.attention_efficiency), num_kv_tokens * m.kv_bytes_per_token / bw)
+        overhead = (hw.step_overhead_s + hw.seq_overhead_s * seqs) if num_tokens else 0.0
+        return {"overhead": overhead, "gemm": gemm, "attention": attention}
+
+    def time_of(self, out) -> float:
+        return self.step_time(*step_features(out))
+
+    def decode_throughput(self, batch_size: int, context_len: int) -> float:
+        """Output tokens/s of ``batch_size`` sequences decoding at ``context_len`` tokens each."""
+        t = self.step_time(batch_size, batch_size * context_len, batch_size)
+        return batch_size / t
+
+
+def roofline_cost_model(hardware: str | Hardware, model: Any, *, dtype: str | None = None,
+                        tensor_parallel: int = 1) -> RooflineCostModel:
+    """A :class:`RooflineCostModel` for ``model`` (a config, a :class:`ModelShape` or a preset name)
+    on ``hardware`` (a table name or a :class:`Hardware`); ``tensor_parallel`` GPUs split FLOPs and
+    bytes evenly (communication not modelled)."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel!r}; valid: an int >= 1")
+    shape = ModelShape.from_config(model, dtype)
+    if dtype is not None and shape.dtype != dtype:
+        shape = ModelShape(**{**{f.name: getattr(shape, f.name) for f in fields(shape)}, "dtype": dtype})
+    return RooflineCostModel(get_hardware(hardware), shape, tensor_parallel)
