@@ -1,9 +1,12 @@
 """Block pool throughput: servelab vs vLLM's ``BlockPool`` on the same workload.
 
-Three cycles, each timed as operations per second over ``--repeats`` repeats
-(the table shows the median; rows with p20/p50/p80 over the repeats, one per
-cycle and implementation, are appended to ``bench/results/results.csv``,
-component ``block_pool``, implementations ``servelab`` and ``vllm``):
+Three cycles, each timed as operations per second over ``--repeats`` repeats,
+in ``--rounds`` interleaved rounds (servelab, then vLLM, then servelab ...: a
+load change on a shared machine hits both). The table shows the medians and
+the servelab / vLLM ratio per round (median and range); rows with p20/p50/p80
+over all repeats, one per cycle and implementation, are appended to
+``bench/results/results.csv`` (component ``block_pool``, implementations
+``servelab`` and ``vllm``), plus the ratio over rounds (``servelab_vs_vllm``):
 
 - ``alloc1+free``:  get_new_blocks(1), free_blocks(it)
 - ``alloc16+free``: get_new_blocks(16), free_blocks(them, tail first)
@@ -39,6 +42,7 @@ HIT_BLOCKS = 16
 
 
 REPEATS, SCALE = 5, 1.0  # set from the command line (also in the vLLM subprocess)
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU time: robust on a shared machine)
 
 
 def ops_per_s(cycle: Callable[[], None], iters: int) -> list[float]:
@@ -46,10 +50,10 @@ def ops_per_s(cycle: Callable[[], None], iters: int) -> list[float]:
     iters = max(1, int(iters * SCALE))
     rates = []
     for _ in range(REPEATS):
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(iters):
             cycle()
-        rates.append(iters / (time.perf_counter() - start))
+        rates.append(iters / (CLOCK() - start))
     return rates
 
 
@@ -113,9 +117,11 @@ def bench_vllm() -> dict[str, list[float]]:
     return out
 
 
-def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None) -> None:
+def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None,
+           ratios: dict[str, list[float]] | None = None, rounds: int = 1, clock: str = "wall") -> None:
     """Rows for ``results[implementation][cycle]`` into bench/results/results.csv
-    (vLLM rows carry the versions of the interpreter that ran them)."""
+    (vLLM rows carry the versions of the interpreter that ran them), and one
+    ``servelab_vs_vllm`` ratio row per cycle (p20/p50/p80 over the rounds)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results_io import append_rows, make_row, percentiles, versions_of_python
 
@@ -125,56 +131,80 @@ def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None) 
         for cycle, rates in cycles.items():
             q = percentiles(rates)
             rows.append(make_row("block_pool", impl, "ops_per_s", "ops/s", q["p50"],
-                                 params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE},
+                                 params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+                                         "rounds": rounds, "repeats": REPEATS, "threads": 1, "clock": clock},
                                  **q, extra_versions=vllm_versions if impl == "vllm" else None))
+    for cycle, rs in (ratios or {}).items():
+        q = percentiles(rs)
+        rows.append(make_row("block_pool", "servelab_vs_vllm", "ratio", "x", q["p50"],
+                             params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
+                                     "rounds": rounds, "repeats": REPEATS, "threads": 1, "clock": clock,
+                                     "machine": "2 cores shared by 8 sessions"},
+                             **q, extra_versions=vllm_versions))
     print(f"results: {append_rows(rows)}")
 
 
 def main() -> int:
-    global REPEATS, SCALE
+    global REPEATS, SCALE, CLOCK
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", help="python of an environment where vllm imports")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per cycle (default 5)")
     parser.add_argument("--scale", type=float, default=SCALE, help="multiply iteration counts (smoke runs)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall time, or the process's CPU time (a shared, loaded machine)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (servelab, then vLLM; default 3)")
     parser.add_argument("--no-record", action="store_true", help="do not append rows to results.csv")
     parser.add_argument("--only", choices=["servelab", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.repeats < 1 or not args.scale > 0:
+    if args.repeats < 1 or not args.scale > 0 or args.rounds < 1:
         parser.error(f"--repeats must be >= 1 and --scale > 0, got {args.repeats} and {args.scale}")
     REPEATS, SCALE = args.repeats, args.scale
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.only:
         print(json.dumps(bench_servelab() if args.only == "servelab" else bench_vllm()))
         return 0
 
-    ours = bench_servelab()
-    theirs, note = None, ""
-    try:
-        import vllm  # noqa: F401
+    rounds = []  # interleaved: servelab, then vLLM, per round (the machine's load drifts between rounds)
+    note = ""
+    for _ in range(args.rounds):
+        ours = bench_servelab()
+        theirs = None
+        try:
+            import vllm  # noqa: F401
 
-        theirs = bench_vllm()
-    except ImportError:
-        if args.vllm_python:
-            cmd = [args.vllm_python, __file__, "--only", "vllm", "--repeats", str(REPEATS), "--scale", str(SCALE)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-2000:], file=sys.stderr)
-                return 1
-            theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-        else:
-            note = "vLLM is not importable here; pass --vllm-python (an environment with vLLM). Skipped."
+            theirs = bench_vllm()
+        except ImportError:
+            if args.vllm_python:
+                cmd = [args.vllm_python, __file__, "--only", "vllm", "--repeats", str(REPEATS), "--scale", str(SCALE),
+                       "--clock", args.clock]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stderr[-2000:], file=sys.stderr)
+                    return 1
+                theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+            else:
+                note = "vLLM is not importable here; pass --vllm-python (an environment with vLLM). Skipped."
+        rounds.append((ours, theirs))
 
-    print(f"{'cycle (median ops/s)':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}{'ratio':>8}")
-    for name, rates in ours.items():
+    merged = {impl: {c: [x for r in rounds if r[k] for x in r[k][c]] for c in rounds[0][0]}
+              for k, impl in ((0, "servelab"), (1, "vllm")) if rounds[0][k]}
+    print(f"{'cycle (median ops/s)':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}"
+          f"{'ratio p50 [min-max over rounds]':>34}")
+    ratios: dict[str, list[float]] = {}
+    for name, rates in merged["servelab"].items():
         value = statistics.median(rates)
-        if theirs:
-            other = statistics.median(theirs[name])
-            print(f"{name:<24}{value:>16,.0f}{other:>14,.0f}{value / other:>8.2f}")
+        if "vllm" in merged:
+            ratios[name] = [statistics.median(o[name]) / statistics.median(t[name]) for o, t in rounds]
+            other = statistics.median(merged["vllm"][name])
+            r = ratios[name]
+            print(f"{name:<24}{value:>16,.0f}{other:>14,.0f}{statistics.median(r):>14.2f} "
+                  f"[{min(r):.2f}-{max(r):.2f}]")
         else:
             print(f"{name:<24}{value:>16,.0f}{'-':>14}{'-':>8}")
     if note:
         print(note)
     if not args.no_record:
-        record({"servelab": ours, **({"vllm": theirs} if theirs else {})}, args.vllm_python)
+        record(merged, args.vllm_python, ratios, args.rounds, args.clock)
     return 0
 
 

@@ -18,6 +18,10 @@
 - :mod:`~servelab.blocks.hybrid`: ``HybridKVCacheManager`` — several KV-cache
   groups (full attention, sliding window, Mamba) in one pool, one block table
   per group, prefix hits every group can serve.
+- :mod:`~servelab.blocks.events`: KV-cache events (``BlockStored``,
+  ``BlockRemoved``, ``AllBlocksCleared``, batched per step in a
+  ``KVEventBatch``: vLLM's vocabulary), off by default, and ``KVEventIndex``
+  (the cached set rebuilt from events alone).
 - :mod:`~servelab.blocks.single_type`: per-spec accounting and the spec ->
   manager registry (resolved along the MRO).
 

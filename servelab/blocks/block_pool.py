@@ -46,7 +46,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from servelab._internal.validation import check_bool, check_int
-from servelab.blocks.eviction import get_eviction_policy
+from servelab.blocks.events import KVEventPublisher
+from servelab.blocks.eviction import LRUEvictionPolicy, get_eviction_policy
 from servelab.blocks.free_queue import FreeBlockQueue, KVCacheBlock
 from servelab.blocks.hashing import BlockHash
 from servelab.blocks.interfaces import EvictionPolicy
@@ -90,6 +91,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.eviction_policy = policy
+        # The built-in LRU policy (a free queue): touch/free link its blocks inline (same order as its methods).
+        self._lru = policy if type(policy) is LRUEvictionPolicy else None
         # Optional hooks, looked up once: policies without them cost nothing.
         self._on_cached = getattr(policy, "on_cached", None)
         self._on_hit = getattr(policy, "on_hit", None)
@@ -100,6 +103,8 @@ class BlockPool:
         hashes are dropped and before the caller writes them (a KV connector saves them)."""
         self.cache_listeners: list = []
         """Called as ``fn(blocks)`` with the blocks ``cache_full_blocks`` just indexed."""
+        # KV-cache events (servelab.blocks.events): None = off, nothing recorded.
+        self.kv_event_publisher: KVEventPublisher | None = None
 
     # ---- allocation -----------------------------------------------------
 
@@ -120,12 +125,24 @@ class BlockPool:
         if type(num_blocks) is not int or num_blocks < 0:
             check_int("num_blocks", num_blocks, min_value=0)
         queue = self.free_queue
-        if num_blocks <= queue._len:
-            blocks = queue.popleft_n(num_blocks)
-        else:
+        if num_blocks > queue._len:
             blocks = self._get_with_eviction(num_blocks)
-        for block in blocks:
-            block.ref_cnt = 1
+            for block in blocks:
+                block.ref_cnt = 1
+            return blocks
+        # The free queue's popleft_n, inlined, taking the reference in the same pass.
+        blocks = []
+        head = queue._head
+        node = head.next_free
+        for _ in range(num_blocks):
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node.ref_cnt = 1
+            blocks.append(node)
+            node = nxt
+        head.next_free = node
+        node.prev_free = head
+        queue._len -= num_blocks
         return blocks
 
     def _get_with_eviction(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -148,6 +165,9 @@ class BlockPool:
             listener(victims)
         blocks = queue.popleft_n(queue._len)
         index = self.cached_block_hash_to_block
+        publisher = self.kv_event_publisher
+        if publisher is not None:
+            publisher.removed([block.block_hash for block in victims])
         for block in victims:
             del index[block.block_hash]
             block.block_hash = None
@@ -192,6 +212,17 @@ class BlockPool:
 
         Raises ValueError, changing nothing, if a block is already free or is
         listed more often than it is referenced."""
+        if self._lru is not None:
+            if type(blocks) is not list:
+                blocks = list(blocks)
+            mine = self.blocks
+            try:  # _own(held=True), inlined for the common case
+                for b in blocks:
+                    if mine[b.block_id] is not b or b.ref_cnt <= 0:
+                        self._check_held(b, "blocks")
+            except (AttributeError, IndexError, TypeError):
+                self._own(blocks, "blocks", held=True)  # raises the TypeError naming the argument
+            return self._free_lru(blocks)
         blocks = self._own(blocks, "blocks", held=True)
         queue, push = self.free_queue, self.eviction_policy.push
         it = iter(blocks)  # what is left of it tells how far an undo must go
@@ -214,6 +245,39 @@ class BlockPool:
                         self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
                         raise
 
+    def _free_lru(self, blocks: list[KVCacheBlock]) -> None:
+        """``free_blocks`` with the built-in LRU policy: the queue links inlined
+        (empty blocks to the free queue's head, cached ones to the LRU tail)."""
+        queue, lru = self.free_queue, self._lru
+        head, tail = queue._head, lru._tail
+        num_empty = num_cached = 0
+        for k, block in enumerate(blocks):
+            ref = block.ref_cnt
+            if ref > 1:
+                block.ref_cnt = ref - 1
+                continue
+            if block.is_null:
+                continue
+            if ref <= 0:  # listed more often than referenced
+                queue._len += num_empty
+                lru._len += num_cached
+                self._undo_free(blocks[:k])
+                raise ValueError(f"block {block.block_id} is listed more times than it is referenced; "
+                                 "each reference may be freed once")
+            block.ref_cnt = 0
+            if block.block_hash is None:
+                first = head.next_free
+                block.prev_free, block.next_free = head, first
+                head.next_free = first.prev_free = block
+                num_empty += 1
+            else:
+                last = tail.prev_free
+                block.prev_free, block.next_free = last, tail
+                last.next_free = tail.prev_free = block
+                num_cached += 1
+        queue._len += num_empty
+        lru._len += num_cached
+
     def _undo_free(self, done: list[KVCacheBlock]) -> None:
         """Give back the references ``free_blocks`` dropped from ``done``
         (newest first, so the free queue's links come back exactly)."""
@@ -232,6 +296,8 @@ class BlockPool:
         """Take one more reference on each block (a prefix hit), taking free
         ones out of the free set so they cannot be evicted while in use."""
         blocks = self._own(blocks, "blocks")
+        if self._lru is not None:
+            return self._touch_lru(blocks)
         queue, policy = self.free_queue, self.eviction_policy
         it = iter(blocks)
         try:
@@ -258,6 +324,26 @@ class BlockPool:
                 if block.block_hash is not None and not block.is_null:
                     on_hit(block)
 
+    def _touch_lru(self, blocks: list[KVCacheBlock]) -> None:
+        """``touch`` with the built-in LRU policy: free blocks unlinked inline
+        (the null block, always at ref_cnt 0, is skipped)."""
+        num_empty = num_cached = 0
+        for block in blocks:
+            ref = block.ref_cnt
+            if ref == 0:
+                if block.is_null:
+                    continue
+                prev, nxt = block.prev_free, block.next_free
+                prev.next_free, nxt.prev_free = nxt, prev
+                block.prev_free = block.next_free = None
+                if block.block_hash is None:
+                    num_empty += 1
+                else:
+                    num_cached += 1
+            block.ref_cnt = ref + 1
+        self.free_queue._len -= num_empty
+        self._lru._len -= num_cached
+
     def _make_free(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             self.free_queue.appendleft(block)
@@ -279,9 +365,18 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        token_ids: Sequence[int] | None = None,
+        block_size: int | None = None,
+        lora_name: str | None = None,
+        group_idx: int | None = None,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under
         ``block_hashes`` at the same positions.
+
+        ``token_ids`` (the request's tokens), ``block_size``, ``lora_name`` and
+        ``group_idx`` are read only when KV events are on
+        (``kv_event_publisher``): they fill the ``BlockStored`` event of the
+        blocks this call makes findable.
 
         ``blocks`` and ``block_hashes`` are one request's block list and hash
         list (position i of both covers tokens ``[i*bs, (i+1)*bs)``); the
@@ -329,6 +424,9 @@ class BlockPool:
         if self.cache_listeners and added:
             for listener in self.cache_listeners:
                 listener([blocks[i] for i in added])
+        publisher = self.kv_event_publisher
+        if publisher is not None and added:
+            publisher.stored(block_hashes, added, token_ids, block_size, lora_name, group_idx)
         on_cached = self._on_cached
         if on_cached is not None and added:
             for i in added:
@@ -352,6 +450,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.cleared()
         return True
 
     def ref_counts(self) -> list[int]:

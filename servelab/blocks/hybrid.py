@@ -63,13 +63,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
+from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_fields, make_publisher
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.hashing import BlockHash
 from servelab.blocks.interfaces import EvictionPolicy
@@ -232,7 +233,7 @@ def check_groups(groups: Sequence[KVCacheGroup | KVCacheSpec]) -> tuple[list[KVC
     return groups, hash_bs, math.lcm(*sizes)
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(KVEventSource):
     """Blocks of several KV-cache groups, one shared pool, one table per group.
 
     Args:
@@ -250,8 +251,11 @@ class HybridKVCacheManager:
 
     def __init__(self, groups: Sequence[KVCacheGroup | KVCacheSpec], num_blocks: int, enable_caching: bool = True,
                  *, max_model_len: int | None = None, watermark: float = 0.0,
-                 eviction_policy: str | EvictionPolicy | None = None, block_pool: BlockPool | None = None) -> None:
+                 eviction_policy: str | EvictionPolicy | None = None, block_pool: BlockPool | None = None,
+                 kv_events: bool = False,
+                 kv_event_subscribers: Iterable[KVEventSubscriber] | KVEventSubscriber | None = None) -> None:
         self.groups, self.block_size, self.hit_alignment = check_groups(groups)
+        publisher = make_publisher(kv_events, kv_event_subscribers)
         check_bool("enable_caching", enable_caching)
         if max_model_len is not None:
             check_int("max_model_len", max_model_len, min_value=1)
@@ -276,6 +280,8 @@ class HybridKVCacheManager:
             raise ValueError("block_pool already belongs to another manager; one pool has one owner")
         block_pool._owner = weakref.ref(self)
         self._pool = block_pool
+        if publisher is not None:
+            block_pool.kv_event_publisher = publisher
         self.spec = self.groups[0].spec
         self.specs = tuple(g.spec for g in self.groups)
         self.enable_caching = enable_caching
@@ -475,7 +481,11 @@ class HybridKVCacheManager:
             hashes = self.group_hashes(request, g)
             num_full = min(num_computed_tokens // self.groups[g].spec.block_size, len(hashes))
             if num_full > cached[g]:
-                self._pool.cache_full_blocks(blocks, hashes, cached[g], num_full)
+                if self._pool.kv_event_publisher is None:
+                    self._pool.cache_full_blocks(blocks, hashes, cached[g], num_full)
+                else:  # events name group blocks (spec.block_size tokens each) and their group
+                    self._pool.cache_full_blocks(blocks, hashes, cached[g], num_full,
+                                                 *event_fields(request, self.groups[g].spec.block_size), g)
                 cached[g] = num_full
 
     def free(self, request: KVCacheRequest | str) -> None:

@@ -42,11 +42,12 @@ blocks and raises otherwise.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
+from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_fields, make_publisher
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.interfaces import EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
@@ -67,7 +68,7 @@ def _request_id(request: object) -> str:
     return request_id
 
 
-class KVCacheManager:
+class KVCacheManager(KVEventSource):
     """Blocks of one KV-cache spec, shared by all requests.
 
     Args:
@@ -86,6 +87,11 @@ class KVCacheManager:
             it must have ``num_blocks`` blocks and the same ``enable_caching``,
             hold no blocks and belong to no other manager. Its eviction policy
             is its own (``eviction_policy`` must then be left None).
+        kv_events: publish KV-cache events (:mod:`servelab.blocks.events`):
+            ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, batched
+            per step by :meth:`publish_kv_events`. Off by default (zero cost).
+        kv_event_subscribers: a callable ``f(batch)`` or several; giving one
+            turns events on. More can be added with :meth:`subscribe_kv_events`.
     """
 
     def __init__(
@@ -98,8 +104,11 @@ class KVCacheManager:
         watermark: float = 0.0,
         eviction_policy: str | EvictionPolicy | None = None,
         block_pool: BlockPool | None = None,
+        kv_events: bool = False,
+        kv_event_subscribers: Iterable[KVEventSubscriber] | KVEventSubscriber | None = None,
     ) -> None:
         manager_cls = manager_class_for(spec)
+        publisher = make_publisher(kv_events, kv_event_subscribers)
         check_bool("enable_caching", enable_caching)
         if enable_caching and not manager_cls.supports_prefix_caching:
             raise ValueError(
@@ -126,6 +135,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._pool: BlockPool | None = None
         self._take_pool(block_pool, num_blocks, manager_cls)
+        if publisher is not None:
+            block_pool.kv_event_publisher = publisher
 
     # ---- the pool ----------------------------------------------------------
 
@@ -163,6 +174,8 @@ class KVCacheManager:
                              "a pool is handed over with every block free")
         if self._pool is not None:
             self._pool._owner = None
+            if self._pool.kv_event_publisher is not None:  # the events follow the manager
+                pool.kv_event_publisher, self._pool.kv_event_publisher = self._pool.kv_event_publisher, None
         pool._owner = weakref.ref(self)
         self._pool = pool
         self._manager = manager_cls(self.spec, pool)
@@ -245,6 +258,19 @@ class KVCacheManager:
             check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
+        if not num_new_computed_tokens and not new_computed_blocks and not self._manager.releases_blocks:
+            # Fast path (most decode steps): the held blocks already have every slot.
+            held = self.req_to_blocks.get(getattr(request, "request_id", None))
+            computed = getattr(request, "num_computed_tokens", None)
+            if held and type(computed) is int and computed >= 0:
+                num_slots = computed + num_new_tokens
+                max_len = self.max_model_len
+                if max_len is None or num_slots <= max_len:  # else the full path raises
+                    num_slots += num_lookahead_tokens
+                    if max_len is not None and num_slots > max_len:
+                        num_slots = max_len
+                    if num_slots <= len(held) * self.block_size:
+                        return []
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
         hit = self._check_hit(request_id, held, num_new_computed_tokens, new_computed_blocks)
@@ -379,7 +405,11 @@ class KVCacheManager:
             hashes = request.block_hashes
             num_full = min(num_full, len(hashes))
             if num_full > num_cached:
-                self._pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                pool = self._pool
+                if pool.kv_event_publisher is None:
+                    pool.cache_full_blocks(held, hashes, num_cached, num_full)
+                else:
+                    pool.cache_full_blocks(held, hashes, num_cached, num_full, *event_fields(request, block_size))
                 self._num_cached_blocks[request_id] = num_full
 
     def _cache_blocks_error(self, request: KVCacheRequest, num_computed_tokens: int,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from servelab.cli import build_kernels
 from servelab.config import SchedulerConfig
+from servelab.cli.sweep import add_sweep_parser, run_sweep_command
 
 EPILOG = """\
 examples:
@@ -28,6 +29,7 @@ examples:
   servelab simulate --engine vllm        the same trace through vLLM's real scheduler
   servelab blocks                        the KV block layer alone under load
   servelab build-kernels                 compile and cache the C decode kernel ahead of time
+  servelab sweep SPEC.toml [--executor ray]  a grid of cluster simulations (routers, replicas, rates)
 """
 
 USAGE_ERROR = 2
@@ -333,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
     build_kernels.add_parser(sub)
+    add_sweep_parser(sub)
     args = parser.parse_args(argv)
-    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run}
+    commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run,
+                "sweep": run_sweep_command}
     if args.command not in commands:
         parser.print_help()
         return 0

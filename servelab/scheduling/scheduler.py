@@ -168,6 +168,8 @@ class Scheduler(RequestTransitions, ConnectorStates):
         # allocate_slots when they already cover the step; with any other manager kv_capacity stays 0
         # and every step asks the manager.
         self._track_capacity = getattr(kv_cache_manager, "held_blocks_cover_slots", False) is True
+        # KV-cache events (servelab.blocks.events): one batch per step, after the commit.
+        self._publish_kv_events = getattr(kv_cache_manager, "publish_kv_events", None)
         self.num_steps = 0
         self.in_flight_output: SchedulerOutput | None = None
         """The last ``schedule()`` output not yet settled by ``update_from_output`` or

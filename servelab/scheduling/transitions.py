@@ -60,6 +60,7 @@ class RequestTransitions:
     _unreported_preempted: set[str]
     _pending_outputs: list[RequestOutput]
     _cache_blocks: Callable[[Request, int], None] | None
+    _publish_kv_events: Callable[[float], object] | None
     num_preemptions: int
     num_finished: int
     num_failed: int
@@ -192,6 +193,8 @@ class RequestTransitions:
             raise
         if any_finished:
             self.running = [r for r in self.running if r.status is RUNNING]
+        if self._publish_kv_events is not None:  # this step's index changes, as one batch
+            self._publish_kv_events(self.clock())
         return outputs
 
     def _apply_tokens(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput,

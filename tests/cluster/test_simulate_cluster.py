@@ -1,0 +1,82 @@
+"""simulate_cluster: N real schedulers on one clock, routers, P/D."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from servelab.cluster import PD, kv_bytes_per_token, simulate_cluster
+from servelab.scheduling.simulator import LengthDist, TraceRequest, WorkloadSpec, simulate
+
+WORKLOAD = WorkloadSpec(num_requests=150, rate=40, prompt_len=LengthDist("uniform", 16, 96),
+                        output_len=LengthDist("uniform", 1, 24), num_prefix_groups=6, prefix_len=128, seed=3)
+SMALL = dict(num_blocks=256)
+
+
+def test_one_replica_is_the_single_replica_simulator():
+    one = simulate_cluster(WORKLOAD, replicas=1, **SMALL)
+    ref = simulate(WORKLOAD, **SMALL)
+    assert np.allclose(np.sort(one.cluster.ttft), np.sort(ref.ttft))
+    assert np.allclose(np.sort(one.cluster.e2e), np.sort(ref.e2e))
+    assert one.cluster.num_steps == ref.num_steps
+    assert one.prefix_hit_rate == pytest.approx(ref.prefix_hit_rate)
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_loaded", "prefix_affinity", "consistent_hash"])
+def test_every_request_finishes_once_on_some_replica(router):
+    res = simulate_cluster(WORKLOAD, replicas=3, router=router, **SMALL)
+    assert sorted(m.request_id for m in res.cluster.requests) == sorted(f"req-{i}" for i in range(150)) or \
+        len({m.request_id for m in res.cluster.requests}) == 150
+    assert sum(res.routed) == 150 and res.cluster.num_failed == 0
+    assert sum(len(r.requests) for r in res.replicas) == 150
+    assert res.imbalance >= 1.0
+    row = res.summary()
+    assert row["router"] == router and row["replicas"] == 3
+
+
+def test_prefix_affinity_hits_more_than_round_robin_on_shared_prefixes():
+    rr = simulate_cluster(WORKLOAD, replicas=4, router="round_robin", **SMALL)
+    pa = simulate_cluster(WORKLOAD, replicas=4, router="prefix_affinity", **SMALL)
+    assert pa.prefix_hit_rate > rr.prefix_hit_rate
+
+
+def test_pd_moves_kv_at_the_link_speed_and_finishes_everything():
+    trace = [TraceRequest("a", 0.0, list(range(160)), 4)]
+    bpt = kv_bytes_per_token()
+    assert bpt == 2 * 32 * 32 * 128 * 2  # K and V, 32 layers x 32 heads x 128 x fp16
+    res = simulate_cluster(trace, router="round_robin", pd=PD(1, 1, kv_bandwidth_gbps=10, kv_latency_s=0.01))
+    (m,) = res.cluster.requests
+    assert m.num_output_tokens == 4 and m.finish_reason == "length"
+    gap = m.token_times[1] - m.token_times[0]
+    assert gap >= 0.01 + 160 * bpt * 8 / 10e9
+    assert res.roles == ["prefill", "decode"]
+    slow = simulate_cluster(WORKLOAD, pd=PD(1, 2, kv_bandwidth_gbps=5), **SMALL)
+    fast = simulate_cluster(WORKLOAD, pd=PD(1, 2, kv_bandwidth_gbps=400), **SMALL)
+    assert slow.cluster.num_failed == fast.cluster.num_failed == 0 and len(fast.cluster.requests) == 150
+    assert np.allclose(np.sort(slow.cluster.ttft), np.sort(fast.cluster.ttft)), "prefill does not wait for links"
+    assert slow.cluster.latency("tpot").p90 > fast.cluster.latency("tpot").p90
+
+
+def test_pd_decode_admission_waits_for_memory():
+    # Each prompt needs 10 of the decode replica's 23 usable blocks: at most two fit at once.
+    trace = [TraceRequest(f"r{i}", 0.0, [i] * 160, 40) for i in range(6)]
+    res = simulate_cluster(trace, pd=PD(2, 1, kv_bandwidth_gbps=400), num_blocks=24)
+    assert res.cluster.num_failed == 0 and len(res.cluster.requests) == 6
+    assert res.pd["kv_waits"] > 0, "some transfers must have waited for the decode replica's memory"
+    assert max(res.replicas[2].kv_usage) <= 1.0
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="replicas"):
+        simulate_cluster(WORKLOAD)
+    with pytest.raises(ValueError, match="replicas=3 differs"):
+        simulate_cluster(WORKLOAD, replicas=3, pd=PD(1, 1))
+    with pytest.raises(ValueError, match="kv_bandwidth_gbps"):
+        PD(1, 1, kv_bandwidth_gbps=0)
+
+    class Bad:
+        def choose(self, request, replicas):
+            return len(replicas)
+
+    with pytest.raises(ValueError, match="returned 2"):
+        simulate_cluster(WORKLOAD, replicas=2, router=Bad(), **SMALL)
