@@ -52,7 +52,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         print(f"servelab sweep: {len(points)} runs on executor {args.executor}", flush=True)
         results = run_sweep(points, args.executor, jobs=args.jobs, address=args.address)
     except (ValueError, TypeError, ImportError) as exc:
-        return fail(exc)
+        return fail(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in results for k in r))
