@@ -24,10 +24,17 @@ Modules: :mod:`.registry` (architecture -> decoder class + config reader),
 :mod:`.tiny` and :mod:`.tokenizer` (the embedded tiny checkpoint).
 """
 
-from servelab.models.config import SUPPORTED_ROPE_TYPES, ModelConfig, load_config
+from servelab.models.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from servelab.models.llama import LlamaForCausalLM, resolve_attention
-from servelab.models.loader import allocate_kv_caches, checkpoint_files, kv_cache_spec, load_model, load_weights
+from servelab.models.loader import (
+    allocate_kv_caches,
+    checkpoint_files,
+    kv_cache_spec,
+    load_config,
+    load_model,
+    load_weights,
+)
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata, prepare_inputs
 from servelab.models.registry import (
     ModelArchitecture,

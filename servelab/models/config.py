@@ -1,7 +1,7 @@
 """Model configuration: read a Hugging Face ``config.json`` and refuse what we can't run.
 
 :class:`ModelConfig` is the flat, validated view of a config the model is
-built from. It is produced by :func:`load_config` (a local checkpoint
+built from. It is produced by :func:`~servelab.models.loader.load_config` (a local checkpoint
 folder, through ``transformers.AutoConfig``) or :meth:`ModelConfig.from_hf`
 (a config object in memory), which hands the config to the reader its
 architecture registered (:mod:`servelab.models.registry`):
@@ -67,7 +67,7 @@ GENERATION_DEFAULT_FIELDS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the decoder needs, validated. Build with :meth:`from_hf` or :func:`load_config`.
+    """What the decoder needs, validated. Build with :meth:`from_hf` or :func:`~servelab.models.loader.load_config`.
 
     Attributes:
         arch: the HF ``model_type`` (``"llama"``, ``"qwen3"``, ``"gemma3_text"``...).
@@ -261,29 +261,6 @@ def _biases(hf: Any, model_type: str) -> tuple[bool, bool, bool]:
         if value:
             raise ValueError(f"{name}={value!r} is not supported for model_type='mistral'")
     return False, False, False
-
-
-def load_config(path: str | Path) -> ModelConfig:
-    """Read and validate the config of a checkpoint folder or a GGUF file.
-
-    A folder: ``config.json`` through ``transformers.AutoConfig`` (local files
-    only) plus ``generation_config.json`` when present (EOS ids, sampling
-    defaults). A ``.gguf`` file, or a folder holding one and no
-    ``config.json``: the GGUF metadata (see :mod:`servelab.models.gguf`).
-    """
-    from transformers import AutoConfig
-
-    from servelab.models.gguf import find_gguf_file, load_gguf_config
-
-    gguf_file = find_gguf_file(path)
-    if gguf_file is not None:
-        return load_gguf_config(gguf_file)
-    folder = Path(path)
-    try:
-        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - unknown model_type, HF's own validators, bad JSON...
-        raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    return ModelConfig.from_hf(hf, read_generation_config(folder))
 
 
 def read_generation_config(folder: str | Path) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from servelab.models.config import ModelConfig
 from servelab.models.registry import gguf_architectures
 
 INSTALL_HINT = 'pip install "servelab[gguf]"'
@@ -189,8 +190,6 @@ def _hf_config(file: Path) -> Any:
 
 def load_gguf_config(file: str | Path):
     """The validated :class:`~servelab.models.ModelConfig` of a GGUF file (header only)."""
-    from servelab.models.config import ModelConfig
-
     info = check_gguf(file)
     return ModelConfig.from_hf(_hf_config(info.file), {"eos_token_id": list(info.eos_token_ids)})
 

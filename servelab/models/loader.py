@@ -30,7 +30,8 @@ import torch
 
 from servelab.blocks.layout import KVCacheBuffers, allocate_kv_cache
 from servelab.blocks.specs import FullAttentionSpec, SlidingWindowSpec
-from servelab.models.config import ModelConfig, load_config
+from servelab.models.config import ModelConfig, read_generation_config
+from servelab.models.gguf import find_gguf_file, gguf_tensors, load_gguf_config
 from servelab.models.llama import LlamaForCausalLM
 from servelab.models.registry import model_class_for
 
@@ -42,6 +43,28 @@ _PACKED = {
 }
 # Tensors some exporters add that carry no weights we need.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read and validate the config of a checkpoint folder or a GGUF file.
+
+    A folder: ``config.json`` through ``transformers.AutoConfig`` (local files
+    only) plus ``generation_config.json`` when present (EOS ids, sampling
+    defaults). A ``.gguf`` file, or a folder holding one and no
+    ``config.json``: the GGUF metadata (see :mod:`servelab.models.gguf`).
+    """
+    from transformers import AutoConfig
+
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_config(gguf_file)
+    folder = Path(path)
+    try:
+        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - unknown model_type, HF's own validators, bad JSON...
+        raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+    return ModelConfig.from_hf(hf, read_generation_config(folder))
+
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -211,8 +234,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     Returns:
         ``(model, config)`` with the model in eval mode.
     """
-    from servelab.models.gguf import find_gguf_file, gguf_tensors
-
     gguf_file = find_gguf_file(path)
     config = load_config(path)
     device = torch.device(device)
