@@ -41,9 +41,10 @@ from servelab.models.gemma2 import (
     SoftcapStepAttention,
     check_gemma_features,
 )
-from servelab.models.layers import RotaryEmbedding, apply_rotary
-from servelab.models.llama import _StepAttention, layer_attentions
+from servelab.models.layers import RotaryEmbedding
+from servelab.models.llama import layer_attentions
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
+from servelab.models.qwen3 import Qwen3Attention
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -101,17 +102,9 @@ class Gemma3Attention(Gemma2Attention):
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        key_cache, value_cache = kv_cache
-        attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache)
-        out = attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
-                                        sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(n, self.q_size))
+    # Norm q and k per head, then RoPE, then paged attention: Qwen 3's forward, to the letter (the
+    # differences from Qwen 3 live in __init__: Gemma RMSNorm, query_pre_attn_scalar in self.scale).
+    forward = Qwen3Attention.forward
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
