@@ -265,14 +265,8 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
-        prog="servelab",
-        description="servelab: a kernel-first research toolkit for LLM serving.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    """``servelab demo``: the full pipeline on a workload."""
     demo = sub.add_parser("demo", help="serve a workload through the full pipeline and report metrics")
     demo.add_argument("--model", help="'smollm2' (a real 135M chat model) or 'gemma3-270m' (Gemma 3 270M), "
                                       "fetched once; a local HF checkpoint "
@@ -286,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--threads", type=_non_negative_int, default=1, help="torch threads (0: torch's default)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="servelab-demo", help="folder for the model and the report figure")
+
+
+def _add_blocks_parser(sub: argparse._SubParsersAction) -> None:
+    """``servelab blocks``: a workload through the KV block layer alone."""
     blocks = sub.add_parser("blocks", help="run a serving workload through the KV block layer alone")
     blocks.add_argument("--num-requests", type=_positive_int, default=64)
     blocks.add_argument("--num-blocks", type=_positive_int, default=96)
@@ -293,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     blocks.add_argument("--token-budget", type=_positive_int, default=256)
     blocks.add_argument("--seed", type=int, default=0)
     blocks.add_argument("--out", default="servelab-demo", help="folder for the figure")
+
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    """``servelab simulate``: scheduling policies on one simulated workload or trace."""
     sim = sub.add_parser("simulate", help="compare scheduling policies on one simulated workload")
     sim.add_argument("--policy", default="fcfs,priority,sjf,vtc", help="comma-separated policy names")
     sim.add_argument("--engine", choices=["servelab", "vllm"], default="servelab",
@@ -334,6 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--tpot-slo", type=_positive_float, default=0.1, help="seconds, for goodput")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(
+        prog="servelab",
+        description="servelab: a kernel-first research toolkit for LLM serving.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    _add_demo_parser(sub)
+    _add_blocks_parser(sub)
+    _add_simulate_parser(sub)
     build_kernels.add_parser(sub)
     add_sweep_parser(sub)
     args = parser.parse_args(argv)
