@@ -241,33 +241,7 @@ class RequestTransitions:
                         req.first_token_time = now
                     req.token_times.append(now)
                 else:
-                    toks = sampled[idx]
-                    k = len(toks)
-                    # Positions past the last accepted token must be computed again:
-                    # rejected drafts, or the last position when nothing came back.
-                    req.num_computed_tokens = num_tokens + k - 1
-                    drafts = spec_scheduled.get(rid)
-                    if drafts is not None:
-                        req.spec_token_ids = []
-                        if k:
-                            req.num_draft_tokens += len(drafts)
-                            req.num_accepted_tokens += k - 1
-                    # Stop conditions, token by token (several arrive with drafts).
-                    stop_ids = req.stop_token_ids
-                    num_out = num_tokens - req.num_prompt_tokens
-                    for pos, tok in enumerate(toks):
-                        num_out += 1
-                        if tok in stop_ids and num_out >= req.min_tokens:
-                            status, req.stop_reason = STOPPED, tok
-                        elif num_out >= req.max_tokens or num_tokens + pos + 1 >= max_len:
-                            status = LENGTH_CAPPED
-                        else:
-                            continue
-                        if pos + 1 < k:
-                            toks = toks[:pos + 1]
-                        break
-                    if k:
-                        req.append_output_token_ids(toks, now)
+                    toks, status = self._apply_sampled(req, sampled[idx], spec_scheduled.get(rid), now, max_len)
                 # Commit after compute: the KV of every computed position is written now.
                 if cache_blocks is not None and req.num_computed_tokens // block_size > req.num_committed_blocks:
                     cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
@@ -294,6 +268,41 @@ class RequestTransitions:
                     self._fail_now(req, f"applying the step's output to request {rid!r} raised "
                                         f"{type(exc).__name__}: {exc}", outputs)
         return any_finished
+
+    @staticmethod
+    def _apply_sampled(req: Request, toks: list[int], drafts: list[int] | None, now: float,
+                       max_len: int) -> tuple[list[int], RequestStatus | None]:
+        """The general case of :meth:`_apply_tokens` (drafts, or not one token): roll back rejected
+        drafts, apply the stop conditions token by token, append what stays. Returns the kept
+        tokens and the finishing status (None: the request goes on)."""
+        num_tokens = req.num_tokens
+        k = len(toks)
+        # Positions past the last accepted token must be computed again:
+        # rejected drafts, or the last position when nothing came back.
+        req.num_computed_tokens = num_tokens + k - 1
+        if drafts is not None:
+            req.spec_token_ids = []
+            if k:
+                req.num_draft_tokens += len(drafts)
+                req.num_accepted_tokens += k - 1
+        # Stop conditions, token by token (several arrive with drafts).
+        status: RequestStatus | None = None
+        stop_ids = req.stop_token_ids
+        num_out = num_tokens - req.num_prompt_tokens
+        for pos, tok in enumerate(toks):
+            num_out += 1
+            if tok in stop_ids and num_out >= req.min_tokens:
+                status, req.stop_reason = STOPPED, tok
+            elif num_out >= req.max_tokens or num_tokens + pos + 1 >= max_len:
+                status = LENGTH_CAPPED
+            else:
+                continue
+            if pos + 1 < k:
+                toks = toks[:pos + 1]
+            break
+        if k:
+            req.append_output_token_ids(toks, now)
+        return toks, status
 
     def _fail_errored(self, errors: dict[str, str], outputs: list[RequestOutput]) -> bool:
         """End the requests the model runner reported errors for; True if any ended."""
