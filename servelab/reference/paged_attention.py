@@ -77,6 +77,23 @@ def paged_attention(
         check_tree_mask(tree_mask, query.shape[0], seq_lens, query_start_loc, sliding_window=sliding_window,
                         check_values=check_inputs)
         tree_lens = tree_mask.tree_lens.tolist()
+    result, lse = _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                              causal, sliding_window, softcap, tree_mask, tree_lens)
+
+    if out is None:
+        out = torch.empty_like(query)
+    out.copy_(result)
+    if return_lse:
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        return out, lse.to(lse_dtype)
+    return out
+
+
+
+def _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal,
+                sliding_window, softcap, tree_mask, tree_lens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's rows, one sequence at a time: ``(result [T, Hq, D], lse [T, Hq])`` in the
+    compute dtype (float64 for float64 input, else float32)."""
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     num_tokens, num_q_heads, _ = query.shape
     group = num_q_heads // key_cache.shape[2]
@@ -94,15 +111,7 @@ def paged_attention(
                                                                      seq_len - tree_lens[i])
         result[q_begin:q_end], lse[q_begin:q_end] = _attend_sequence(
             q, k, v, seq_len - (q_end - q_begin), scale, causal, sliding_window, softcap, tree)
-
-    if out is None:
-        out = torch.empty_like(query)
-    out.copy_(result)
-    if return_lse:
-        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        return out, lse.to(lse_dtype)
-    return out
-
+    return result, lse
 
 def _gather_sequence(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks_row: torch.Tensor, seq_len: int,
                      group: int, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
