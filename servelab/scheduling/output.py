@@ -167,9 +167,14 @@ class ModelRunnerOutput:
                                 f"got {rid!r}: {message!r}")
 
 
-@dataclass(slots=True)
+@dataclass
 class RequestOutput:
-    """New tokens of one request from one step, and its end when it ended."""
+    """New tokens of one request from one step, and its end when it ended.
+
+    Not slotted on purpose: the defaults live on the class, so the scheduler's
+    decode hot path builds the common output (two fields) without running the
+    nine-field ``__init__`` (one output per request per step).
+    """
 
     request_id: str
     new_token_ids: list[int]

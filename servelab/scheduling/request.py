@@ -155,7 +155,7 @@ class Request:
         "num_tokens", "num_computed_tokens", "spec_token_ids", "status", "stop_reason", "error", "max_tokens",
         "min_tokens", "stop_token_ids", "block_hashes", "_hasher", "arrival_order", "num_cached_tokens",
         "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "first_scheduled_time", "first_token_time",
-        "token_times", "finish_time", "num_committed_blocks", "kv_capacity", "kv_transfer_params",
+        "token_times", "finish_time", "num_committed_blocks", "kv_capacity", "kv_transfer_params", "length_limit",
     )
 
     def __init__(
@@ -212,6 +212,9 @@ class Request:
         self.max_tokens = _NO_LIMIT if sampling_params.max_tokens is None else sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.all_stop_token_ids(eos_token_id))
+        # Tokens (prompt + output) at which the request ends "length": max_tokens here, lowered to the
+        # scheduler's max_model_len by add_request (one comparison per decoded token).
+        self.length_limit = self.num_prompt_tokens + self.max_tokens
 
         # Hashes need the cache's block size, which the scheduler knows:
         # init_block_hasher is called by add_request.

@@ -219,6 +219,7 @@ class Scheduler(Preemption, ConnectorStates):
         if stamped:
             request.arrival_time = self.clock()
         request.arrival_order = next(self._order)
+        request.length_limit = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
         rid = request.request_id
         self.requests[rid] = request
         try:
@@ -308,11 +309,13 @@ class Scheduler(Preemption, ConnectorStates):
         track = self._track_capacity
         block_size = self.block_size
         running = self.running
+        spec = lookahead > 0  # without speculative decoding no request ever holds drafts
+        ahead = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = req.num_tokens + len(req.spec_token_ids) - computed
+            n = (req.num_tokens + len(req.spec_token_ids) if spec else req.num_tokens) - computed
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -322,7 +325,8 @@ class Scheduler(Preemption, ConnectorStates):
             if n <= 0:
                 i += 1
                 continue
-            ahead = lookahead if computed + n >= req.num_tokens else 0
+            if spec:
+                ahead = lookahead if computed + n >= req.num_tokens else 0
             rid = req.request_id
             if computed + n + ahead > req.kv_capacity:  # always, unless the capacity is tracked
                 new_blocks = kv.allocate_slots(req, n, 0, None, ahead)
@@ -339,7 +343,7 @@ class Scheduler(Preemption, ConnectorStates):
             num_scheduled[rid] = n
             scheduled_reqs[rid] = req
             budget -= n
-            if req.spec_token_ids:
+            if spec and req.spec_token_ids:
                 num_drafts = computed + n - req.num_tokens
                 if num_drafts > 0:
                     del req.spec_token_ids[num_drafts:]

@@ -42,6 +42,7 @@ ABORTED = RequestStatus.FINISHED_ABORTED
 FAILED = RequestStatus.FINISHED_FAILED
 WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 _EMPTY: list[int] = []
+_new_output = object.__new__
 
 
 class RequestTransitions:
@@ -205,11 +206,12 @@ class RequestTransitions:
         now = self.clock()
         max_len = self.config.max_model_len
         num_spec = self.config.num_speculative_tokens
-        drafts_next = model_output.spec_token_ids
+        drafts_next = model_output.spec_token_ids if num_spec else None
         logprobs = model_output.logprobs
         requests = self.requests
         cache_blocks = self._cache_blocks
         block_size = self.block_size
+        append = outputs.append
         any_finished = False
         any_drafts = bool(spec_scheduled)
         for idx, rid in enumerate(req_ids):
@@ -218,49 +220,65 @@ class RequestTransitions:
                 continue  # ended since schedule()
             try:
                 num_tokens = req.num_tokens
-                status = None
-                if req.num_computed_tokens < num_tokens:
-                    toks = _EMPTY  # mid-prefill: nothing to sample (tokens given are ignored)
-                elif not any_drafts and len(toks := sampled[idx]) == 1:
+                if req.num_computed_tokens < num_tokens:  # mid-prefill: nothing to sample (tokens given are ignored)
+                    if cache_blocks is not None and req.num_computed_tokens // block_size > req.num_committed_blocks:
+                        cache_blocks(req, req.num_computed_tokens)
+                        req.num_committed_blocks = req.num_computed_tokens // block_size
+                    continue
+                if not any_drafts and len(toks := sampled[idx]) == 1:
                     # The decode hot path: one token, no drafts (the general branch below, specialised;
-                    # Request.append_token inlined).
-                    req.num_computed_tokens = num_tokens
+                    # Request.append_token_ids inlined, length limits folded into Request.length_limit).
+                    req.num_computed_tokens = computed = num_tokens
                     tok = toks[0]
                     num_tokens += 1
-                    num_out = num_tokens - req.num_prompt_tokens
-                    if tok in req.stop_token_ids and num_out >= req.min_tokens:
-                        status, req.stop_reason = STOPPED, tok
-                    elif num_out >= req.max_tokens or num_tokens >= max_len:
-                        status = LENGTH_CAPPED
                     all_ids = req.all_token_ids
                     all_ids.append(tok)
                     req.num_tokens = num_tokens
-                    if num_tokens % block_size == 0 and req._hasher is not None:
+                    if not num_tokens % block_size and req._hasher is not None:
                         req._hasher.update(all_ids)
                     if req.first_token_time is None:
                         req.first_token_time = now
                     req.token_times.append(now)
+                    # Commit after compute: the KV of every computed position is written now.
+                    if cache_blocks is not None and computed // block_size > req.num_committed_blocks:
+                        cache_blocks(req, computed)
+                        req.num_committed_blocks = computed // block_size
+                    if tok in req.stop_token_ids and num_tokens - req.num_prompt_tokens >= req.min_tokens:
+                        status, req.stop_reason = STOPPED, tok
+                    elif num_tokens >= req.length_limit:
+                        status = LENGTH_CAPPED
+                    else:
+                        if drafts_next is not None:
+                            room = min(num_spec, max_len - num_tokens)
+                            req.spec_token_ids = list(drafts_next[idx][:room]) if room > 0 else []
+                        if logprobs is None:  # a bare output: two fields set, the rest are class defaults
+                            out = _new_output(RequestOutput)
+                            out.request_id = rid
+                            out.new_token_ids = toks
+                            append(out)
+                        else:
+                            append(RequestOutput(rid, toks, logprobs=logprobs[idx]))
+                        continue
                 else:
                     toks, status = self._apply_sampled(req, sampled[idx], spec_scheduled.get(rid), now, max_len)
-                # Commit after compute: the KV of every computed position is written now.
-                if cache_blocks is not None and req.num_computed_tokens // block_size > req.num_committed_blocks:
-                    cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-                    req.num_committed_blocks = req.num_computed_tokens // block_size
-                if not toks:
-                    continue
-                if status is None:
-                    if drafts_next is not None and num_spec:
-                        proposed = drafts_next[idx]
-                        room = min(num_spec, max_len - req.num_tokens)
-                        req.spec_token_ids = list(proposed[:room]) if room > 0 else []
-                    outputs.append(RequestOutput(rid, toks) if logprobs is None
-                                   else RequestOutput(rid, toks, logprobs=logprobs[idx]))
-                else:
-                    any_finished = True
-                    out = self._finish(req, status, toks)
-                    if logprobs is not None:
-                        out.logprobs = logprobs[idx]
-                    outputs.append(out)
+                    computed = min(req.num_computed_tokens, req.num_tokens)
+                    if cache_blocks is not None and computed // block_size > req.num_committed_blocks:
+                        cache_blocks(req, computed)
+                        req.num_committed_blocks = computed // block_size
+                    if not toks:
+                        continue
+                    if status is None:
+                        if drafts_next is not None:
+                            room = min(num_spec, max_len - req.num_tokens)
+                            req.spec_token_ids = list(drafts_next[idx][:room]) if room > 0 else []
+                        append(RequestOutput(rid, toks) if logprobs is None
+                               else RequestOutput(rid, toks, logprobs=logprobs[idx]))
+                        continue
+                any_finished = True
+                out = self._finish(req, status, toks)
+                if logprobs is not None:
+                    out.logprobs = logprobs[idx]
+                append(out)
             except Exception as exc:
                 if req.status is RUNNING:  # fail this request only; the others go on
                     any_finished = True
