@@ -243,6 +243,7 @@ class RequestTransitions:
                     if cache_blocks is not None and computed // block_size > req.num_committed_blocks:
                         cache_blocks(req, computed)
                         req.num_committed_blocks = computed // block_size
+                    status: RequestStatus | None
                     if tok in req.stop_token_ids and num_tokens - req.num_prompt_tokens >= req.min_tokens:
                         status, req.stop_reason = STOPPED, tok
                     elif num_tokens >= req.length_limit:
