@@ -202,3 +202,30 @@ class SchedulerStats:
     num_finished: int
     num_failed: int
     num_aborted: int
+
+
+def check_step_results(scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless ``model_output`` can be applied to the step
+    ``scheduler_output`` scheduled (what ``update_from_output`` checks before any state changes)."""
+    if not isinstance(scheduler_output, SchedulerOutput):
+        raise TypeError(f"scheduler_output must be a SchedulerOutput, got {type(scheduler_output).__name__}")
+    if not isinstance(model_output, ModelRunnerOutput):
+        raise TypeError(f"model_output must be a ModelRunnerOutput, got {type(model_output).__name__}")
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
+    req_ids = model_output.req_ids
+    given = set(req_ids)
+    if not num_scheduled.keys() >= given:
+        unknown = sorted(given - num_scheduled.keys())
+        raise ValueError(f"ModelRunnerOutput names requests not scheduled in this step: {unknown[:5]}")
+    if not num_scheduled.keys() >= model_output.errors.keys():
+        unknown = sorted(model_output.errors.keys() - num_scheduled.keys())
+        raise ValueError(f"ModelRunnerOutput.errors names requests not scheduled in this step: {unknown[:5]}")
+    if len(given) != len(req_ids):
+        raise ValueError("ModelRunnerOutput.req_ids holds duplicates")
+    if max(map(len, model_output.sampled_token_ids), default=0) <= 1:
+        return  # one token or none each: always valid (the per-request check below is for drafts)
+    for rid, toks in zip(req_ids, model_output.sampled_token_ids):
+        if len(toks) > 1 and len(toks) > len(spec_scheduled.get(rid, ())) + 1:
+            raise ValueError(f"request {rid!r} got {len(toks)} tokens but had "
+                             f"{len(spec_scheduled.get(rid, ()))} drafts scheduled; at most drafts + 1")

@@ -292,6 +292,42 @@ class Request:
             else:
                 self.token_times.extend([now] * len(token_ids))
 
+    def apply_sampled(self, toks: list[int], drafts: list[int] | None, now: float,
+                      max_len: int) -> tuple[list[int], RequestStatus | None]:
+        """Apply one step's sampled ``toks`` (accepted drafts plus one, or none) to a running
+        request whose ``drafts`` were verified: roll back rejected drafts, apply the stop
+        conditions token by token, append what stays. Returns the kept tokens and the finishing
+        status (None: the request goes on). The scheduler's general case; its one-token hot path
+        is inlined in ``update_from_output``."""
+        num_tokens = self.num_tokens
+        k = len(toks)
+        # Positions past the last accepted token must be computed again:
+        # rejected drafts, or the last position when nothing came back.
+        self.num_computed_tokens = num_tokens + k - 1
+        if drafts is not None:
+            self.spec_token_ids = []
+            if k:
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += k - 1
+        # Stop conditions, token by token (several arrive with drafts).
+        status: RequestStatus | None = None
+        stop_ids = self.stop_token_ids
+        num_out = num_tokens - self.num_prompt_tokens
+        for pos, tok in enumerate(toks):
+            num_out += 1
+            if tok in stop_ids and num_out >= self.min_tokens:
+                status, self.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            elif num_out >= self.max_tokens or num_tokens + pos + 1 >= max_len:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+            else:
+                continue
+            if pos + 1 < k:
+                toks = toks[:pos + 1]
+            break
+        if k:
+            self.append_output_token_ids(toks, now)
+        return toks, status
+
     def metrics(self) -> RequestMetrics:
         """A snapshot of this request's timestamps and counts."""
         return RequestMetrics(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from servelab.scheduling.output import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from servelab.scheduling.output import ModelRunnerOutput, RequestOutput, SchedulerOutput, check_step_results
 from servelab.scheduling.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -129,31 +129,6 @@ class RequestTransitions:
 
     # ---- a step's results ---------------------------------------------------
 
-    def _check_model_output(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> None:
-        """Everything ``update_from_output`` needs valid, before any state changes."""
-        if not isinstance(scheduler_output, SchedulerOutput):
-            raise TypeError(f"scheduler_output must be a SchedulerOutput, got {type(scheduler_output).__name__}")
-        if not isinstance(model_output, ModelRunnerOutput):
-            raise TypeError(f"model_output must be a ModelRunnerOutput, got {type(model_output).__name__}")
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        spec_scheduled = scheduler_output.scheduled_spec_decode_tokens
-        req_ids = model_output.req_ids
-        given = set(req_ids)
-        if not num_scheduled.keys() >= given:
-            unknown = sorted(given - num_scheduled.keys())
-            raise ValueError(f"ModelRunnerOutput names requests not scheduled in this step: {unknown[:5]}")
-        if not num_scheduled.keys() >= model_output.errors.keys():
-            unknown = sorted(model_output.errors.keys() - num_scheduled.keys())
-            raise ValueError(f"ModelRunnerOutput.errors names requests not scheduled in this step: {unknown[:5]}")
-        if len(given) != len(req_ids):
-            raise ValueError("ModelRunnerOutput.req_ids holds duplicates")
-        if max(map(len, model_output.sampled_token_ids), default=0) <= 1:
-            return  # one token or none each: always valid (the per-request check below is for drafts)
-        for rid, toks in zip(req_ids, model_output.sampled_token_ids):
-            if len(toks) > 1 and len(toks) > len(spec_scheduled.get(rid, ())) + 1:
-                raise ValueError(f"request {rid!r} got {len(toks)} tokens but had "
-                                 f"{len(spec_scheduled.get(rid, ()))} drafts scheduled; at most drafts + 1")
-
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply one step's results; returns one ``RequestOutput`` per request
@@ -162,7 +137,7 @@ class RequestTransitions:
         produced nothing (its last position is recomputed). Drafts count as
         proposed (``num_draft_tokens``) only for a request that came back with
         tokens: drafts never verified are not counted."""
-        self._check_model_output(scheduler_output, model_output)
+        check_step_results(scheduler_output, model_output)
         self.in_flight_output = None
         if self.kv_connector is not None:  # loads landed or failed, sends done
             self._settle_kv_step(scheduler_output, model_output.kv_connector_output)
@@ -261,19 +236,9 @@ class RequestTransitions:
                             append(RequestOutput(rid, toks, logprobs=logprobs[idx]))
                         continue
                 else:
-                    toks, status = self._apply_sampled(req, sampled[idx], spec_scheduled.get(rid), now, max_len)
-                    computed = min(req.num_computed_tokens, req.num_tokens)
-                    if cache_blocks is not None and computed // block_size > req.num_committed_blocks:
-                        cache_blocks(req, computed)
-                        req.num_committed_blocks = computed // block_size
-                    if not toks:
-                        continue
+                    toks, status = self._apply_general(req, idx, sampled[idx], spec_scheduled.get(rid), now,
+                                                       model_output, outputs)
                     if status is None:
-                        if drafts_next is not None:
-                            room = min(num_spec, max_len - req.num_tokens)
-                            req.spec_token_ids = list(drafts_next[idx][:room]) if room > 0 else []
-                        append(RequestOutput(rid, toks) if logprobs is None
-                               else RequestOutput(rid, toks, logprobs=logprobs[idx]))
                         continue
                 any_finished = True
                 out = self._finish(req, status, toks)
@@ -288,40 +253,27 @@ class RequestTransitions:
                                         f"{type(exc).__name__}: {exc}", outputs)
         return any_finished
 
-    @staticmethod
-    def _apply_sampled(req: Request, toks: list[int], drafts: list[int] | None, now: float,
-                       max_len: int) -> tuple[list[int], RequestStatus | None]:
-        """The general case of :meth:`_apply_tokens` (drafts, or not one token): roll back rejected
-        drafts, apply the stop conditions token by token, append what stays. Returns the kept
-        tokens and the finishing status (None: the request goes on)."""
-        num_tokens = req.num_tokens
-        k = len(toks)
-        # Positions past the last accepted token must be computed again:
-        # rejected drafts, or the last position when nothing came back.
-        req.num_computed_tokens = num_tokens + k - 1
-        if drafts is not None:
-            req.spec_token_ids = []
-            if k:
-                req.num_draft_tokens += len(drafts)
-                req.num_accepted_tokens += k - 1
-        # Stop conditions, token by token (several arrive with drafts).
-        status: RequestStatus | None = None
-        stop_ids = req.stop_token_ids
-        num_out = num_tokens - req.num_prompt_tokens
-        for pos, tok in enumerate(toks):
-            num_out += 1
-            if tok in stop_ids and num_out >= req.min_tokens:
-                status, req.stop_reason = STOPPED, tok
-            elif num_out >= req.max_tokens or num_tokens + pos + 1 >= max_len:
-                status = LENGTH_CAPPED
-            else:
-                continue
-            if pos + 1 < k:
-                toks = toks[:pos + 1]
-            break
-        if k:
-            req.append_output_token_ids(toks, now)
-        return toks, status
+    def _apply_general(self, req: Request, idx: int, toks: list[int], drafts: list[int] | None, now: float,
+                       model_output: ModelRunnerOutput,
+                       outputs: list[RequestOutput]) -> tuple[list[int], RequestStatus | None]:
+        """The general case of :meth:`_apply_tokens` (drafts, several tokens, none): apply them
+        (:meth:`Request.apply_sampled`), commit, and output a request that goes on. Returns the kept
+        tokens and the finishing status (None: nothing left to do for this request)."""
+        cfg = self.config
+        toks, status = req.apply_sampled(toks, drafts, now, cfg.max_model_len)
+        computed = min(req.num_computed_tokens, req.num_tokens)
+        if self._cache_blocks is not None and computed // self.block_size > req.num_committed_blocks:
+            self._cache_blocks(req, computed)
+            req.num_committed_blocks = computed // self.block_size
+        if not toks or status is not None:
+            return toks, status
+        if model_output.spec_token_ids is not None and cfg.num_speculative_tokens:
+            room = min(cfg.num_speculative_tokens, cfg.max_model_len - req.num_tokens)
+            req.spec_token_ids = list(model_output.spec_token_ids[idx][:room]) if room > 0 else []
+        logprobs = model_output.logprobs
+        outputs.append(RequestOutput(req.request_id, toks) if logprobs is None
+                       else RequestOutput(req.request_id, toks, logprobs=logprobs[idx]))
+        return toks, None
 
     def _fail_errored(self, errors: dict[str, str], outputs: list[RequestOutput]) -> bool:
         """End the requests the model runner reported errors for; True if any ended."""
