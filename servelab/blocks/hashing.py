@@ -168,10 +168,15 @@ class RequestBlockHasher:
             )
         parent = self.block_hashes[-1] if self.block_hashes else none_hash(self.hash_fn)
         new_hashes = []
+        # hash_block_tokens inlined (same bytes: the pickled (parent, tokens, extra keys) triple); a
+        # request with no adapter, salt or multimodal input has no extra keys on any block.
+        digest, dumps = HASH_FUNCTIONS[self.hash_fn], pickle.dumps
+        plain = self.lora_name is None and self.cache_salt is None and not self.mm_spans
         for i in range(first_new, num_full):
             start = i * bs
-            extra = block_extra_keys(start, start + bs, self.lora_name, self.cache_salt, self.mm_spans)
-            parent = hash_block_tokens(parent, token_ids[start:start + bs], extra, self.hash_fn)
+            extra = None if plain else block_extra_keys(start, start + bs, self.lora_name, self.cache_salt,
+                                                        self.mm_spans)
+            parent = digest(dumps((parent, tuple(token_ids[start:start + bs]), extra), protocol=5))
             new_hashes.append(parent)
         self.block_hashes.extend(new_hashes)
         return new_hashes

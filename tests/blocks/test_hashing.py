@@ -104,3 +104,19 @@ def test_hashing_errors():
         TokenSequence("a", [1, -2], 4)
     with pytest.raises(ValueError, match="request_id"):
         TokenSequence("", [1], 4)
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "xxhash"])
+@given(tokens=st.lists(st.integers(0, 50_000), max_size=70), block_size=st.integers(1, 9),
+       lora=st.sampled_from([None, "a"]), salt=st.sampled_from([None, "s"]), with_mm=st.booleans())
+def test_request_hasher_equals_the_chain_of_hash_block_tokens(hash_fn, tokens, block_size, lora, salt, with_mm):
+    """The hasher's inlined loop gives the bytes of the public one-block function, chained."""
+    spans = (MultiModalSpan("img", 3, 4),) if with_mm else ()
+    hasher = RequestBlockHasher(block_size, hash_fn, lora, salt, spans)
+    hasher.update(tokens)
+    parent, expected = none_hash(hash_fn), []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        extra = block_extra_keys(start, start + block_size, lora, salt, spans)
+        parent = hash_block_tokens(parent, tokens[start:start + block_size], extra, hash_fn)
+        expected.append(parent)
+    assert hasher.block_hashes == expected
