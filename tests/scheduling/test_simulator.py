@@ -227,3 +227,20 @@ def test_engine_and_policy_list_are_checked():
         simulate(spec, "fcfs", engine="tgi")
     with pytest.raises(ValueError, match="policies is empty"):
         compare_policies(spec, [])
+
+
+def test_generated_prompts_are_compact_and_read_like_lists():
+    from servelab.scheduling.simulator.workload import PrefixedTokens
+    spec = WorkloadSpec(num_requests=20, rate=10.0, num_prefix_groups=2, prefix_len=8, seed=3)
+    reqs = generate_workload(spec)
+    p = reqs[5].prompt_token_ids
+    assert isinstance(p, PrefixedTokens)
+    as_list = list(p)
+    assert len(p) == len(as_list) and p == as_list and all(type(t) is int for t in as_list)
+    assert [p[i] for i in range(len(p))] == as_list and p[-1] == as_list[-1] and p[2:11] == as_list[2:11]
+    with pytest.raises(IndexError):
+        p[len(p)]
+    # the same spec gives the same tokens; prompts of one group share their prefix
+    assert [list(r.prompt_token_ids) for r in generate_workload(spec)] == [list(r.prompt_token_ids) for r in reqs]
+    same = [r for r in reqs if r.prompt_token_ids.prefix is p.prefix]
+    assert len(same) > 1 and all(list(r.prompt_token_ids)[:8] == as_list[:8] for r in same)

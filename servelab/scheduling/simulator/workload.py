@@ -12,14 +12,57 @@ Length distributions are written as short strings (CLI) or built directly:
 from __future__ import annotations
 
 import csv
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 MAX_SAMPLED_LEN = 32768
+
+
+class PrefixedTokens(Sequence[int]):
+    """A generated prompt, compact: a shared prefix (a list, one per prefix group) followed by
+    ``tokens[start:end]`` of the workload's one token array (int32).
+
+    A million generated prompts of ~770 tokens as Python lists would take ~27 GB; as views of
+    one int32 array they take ~3 GB. ``list(prompt)`` materialises it (the simulator does so
+    only while the request is live), and slices come back as lists.
+    """
+
+    __slots__ = ("prefix", "tokens", "start", "end")
+
+    def __init__(self, prefix: list[int], tokens: np.ndarray, start: int, end: int) -> None:
+        self.prefix, self.tokens, self.start, self.end = prefix, tokens, start, end
+
+    def __len__(self) -> int:
+        return len(self.prefix) + self.end - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.prefix, self.tokens[self.start:self.end].tolist())
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self)[index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"token index {index} out of range for a prompt of {n} tokens")
+        k = len(self.prefix)
+        return self.prefix[index] if index < k else int(self.tokens[self.start + index - k])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (PrefixedTokens, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PrefixedTokens({len(self.prefix)} prefix + {self.end - self.start} tokens)"
 
 
 @dataclass(frozen=True)
@@ -160,11 +203,12 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     groups = rng.integers(0, max(spec.num_prefix_groups, 1), size=n)
     prefixes = [rng.integers(0, spec.vocab_size, size=spec.prefix_len).tolist()
                 for _ in range(spec.num_prefix_groups)]
-    tokens = rng.integers(0, spec.vocab_size, size=int(prompt_lens.sum())).tolist()
+    tokens = rng.integers(0, spec.vocab_size, size=int(prompt_lens.sum())).astype(np.int32)
     out, start = [], 0
+    no_prefix: list[int] = []
     for i in range(n):
         end = start + int(prompt_lens[i])
-        prompt = (prefixes[groups[i]] + tokens[start:end]) if prefixes else tokens[start:end]
+        prompt = PrefixedTokens(prefixes[groups[i]] if prefixes else no_prefix, tokens, start, end)
         start = end
         out.append(TraceRequest(f"req-{i}", float(arrivals[i]), prompt, int(output_lens[i]),
                                 f"client-{clients[i]}", int(priorities[i])))
