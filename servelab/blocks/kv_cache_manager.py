@@ -172,7 +172,7 @@ class KVCacheManager(KVEventSource):
         if not isinstance(pool.null_block, KVCacheBlock):
             raise TypeError(f"block_pool ({type(pool).__name__}) hands out {type(pool.null_block).__name__} "
                             "blocks; this manager needs KVCacheBlock objects (the reference pool, whose blocks "
-                            "are ints, pairs with servelab.reference.KVCacheManager)")
+                            "are ints: the reference pool pairs with servelab.reference.KVCacheManager)")
         if pool.num_blocks != num_blocks:
             raise ValueError(f"block_pool has num_blocks={pool.num_blocks}, the manager needs {num_blocks} "
                              "(the KV tensors are sized for it)")
