@@ -35,7 +35,7 @@ def test_runner_inputs_equal_a_rebuild_from_the_scheduler(tiny, arch, kwargs):
             known = req.all_token_ids + so.scheduled_spec_decode_tokens.get(rid, [])
             tokens.append(known[c:c + n])
             computed.append(c)
-            tables.append(manager.get_block_ids(rid))
+            tables.append(manager.get_block_ids(rid)[0])  # one KV-cache group
         ids, pos, want = prepare_inputs(tokens, computed, tables, runner.block_size)
         assert torch.equal(input_ids, ids) and torch.equal(positions, pos)
         assert torch.equal(meta.slot_mapping, want.slot_mapping)
