@@ -52,6 +52,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from servelab._internal.conformance import check_conforms
 from servelab._internal.validation import check_bool, check_int, check_number
@@ -65,7 +66,7 @@ from servelab.blocks.specs import KVCacheSpec
 from servelab.blocks.stats import PrefixCacheStats
 
 
-def _request_id(request: object) -> str:
+def _request_id(request: Any) -> str:
     try:
         request_id = request.request_id
         request.num_tokens, request.num_computed_tokens, request.block_hashes  # noqa: B018
@@ -107,6 +108,8 @@ class KVCacheManager(KVEventSource):
             turns events on. More can be added with :meth:`subscribe_kv_events`.
     """
 
+    _pool: BlockPoolProtocol
+
     def __init__(
         self,
         spec: KVCacheSpec,
@@ -146,7 +149,6 @@ class KVCacheManager(KVEventSource):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        self._pool: BlockPoolProtocol | None = None
         self._take_pool(block_pool, num_blocks, manager_cls, publisher)
 
     # ---- the pool ----------------------------------------------------------
@@ -179,7 +181,8 @@ class KVCacheManager(KVEventSource):
         if pool.enable_caching != self.enable_caching:
             raise ValueError(f"block_pool.enable_caching={pool.enable_caching} differs from the manager's "
                              f"enable_caching={self.enable_caching}")
-        if pool is self._pool:
+        old: BlockPoolProtocol | None = getattr(self, "_pool", None)  # None: the constructor's first pool
+        if pool is old:
             return
         owner = getattr(pool, "_owner", None)
         if owner is not None and owner() is not None:
@@ -187,7 +190,6 @@ class KVCacheManager(KVEventSource):
         if pool.num_free_blocks != pool.num_blocks - 1:
             raise ValueError(f"block_pool has {pool.num_blocks - 1 - pool.num_free_blocks} blocks held; "
                              "a pool is handed over with every block free")
-        old = self._pool
         if old is not None:
             publisher = getattr(old, "kv_event_publisher", None)
         if publisher is not None and not hasattr(pool, "kv_event_publisher"):
@@ -285,7 +287,7 @@ class KVCacheManager(KVEventSource):
             check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         if not num_new_computed_tokens and not new_computed_blocks and not self._manager.releases_blocks:
             # Fast path (most decode steps): the held blocks already have every slot.
-            held = self.req_to_blocks.get(getattr(request, "request_id", None))
+            held = self.req_to_blocks.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
             computed = getattr(request, "num_computed_tokens", None)
             if held and type(computed) is int and computed >= 0:
                 num_slots = computed + num_new_tokens
@@ -392,7 +394,7 @@ class KVCacheManager(KVEventSource):
             if hit:
                 self._num_cached_blocks[request_id] = len(hit)
             return new_blocks
-        if released:
+        if released and plan is not None:
             held[:] = plan
         if new_blocks:
             held.extend(new_blocks)
