@@ -14,6 +14,8 @@ def block_ids(blocks: tuple[list[Any], ...]) -> tuple[list[int], ...]:
     """Per-group ids of the blocks ``allocate_slots`` returned (one list per KV-cache
     group): a block is a pool block (``.block_id``) or, from the plain reference
     manager, the id itself."""
+    if len(blocks) == 1:  # one group (full attention): no generator
+        return ([b if type(b) is int else b.block_id for b in blocks[0]],)
     return tuple([b if type(b) is int else b.block_id for b in group] for group in blocks)
 
 
