@@ -29,10 +29,10 @@ servelab ``Pipeline`` (the scheduler calls one half, the model runner the other)
 4. ``request_finished(request, block_ids)`` exactly once when a request ends,
    before its blocks are freed (``block_ids``: per group, as above). Returns
    ``(delay_free, params)``: with ``delay_free`` the connector takes over
-   freeing — the scheduler keeps the
-   blocks (not findable anew, not reused) until the worker reports the request
-   in ``finished_sending``; ``params`` (or None) lands on the request
-   (``Request.kv_transfer_params``) for the caller.
+   freeing — the scheduler keeps the blocks (not findable anew, not reused)
+   until the worker reports the request in ``finished_sending``; ``params``
+   (or None) lands on the request (``Request.kv_transfer_params``) for the
+   caller.
 
 **Worker side** (called by the model runner, around each forward, every step
 including steps that compute nothing):
