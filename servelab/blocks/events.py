@@ -264,27 +264,30 @@ class KVEventSource:
 
     @property
     def kv_event_publisher(self) -> KVEventPublisher | None:
-        """The pool's event publisher (None: events are off)."""
-        return self._pool.kv_event_publisher
+        """The pool's event publisher (None: events are off, or the pool cannot publish)."""
+        return getattr(self._pool, "kv_event_publisher", None)
 
     def subscribe_kv_events(self, subscriber: KVEventSubscriber) -> None:
         """Call ``subscriber(batch)`` with every step's ``KVEventBatch`` from
         now on (turns events on if they were off)."""
         pool = self._pool
+        if not hasattr(pool, "kv_event_publisher"):
+            raise ValueError(f"the block pool ({type(pool).__name__}) has no kv_event_publisher attribute, so it "
+                             "cannot publish KV events (servelab.blocks.BlockPool can)")
         if pool.kv_event_publisher is None:
             pool.kv_event_publisher = KVEventPublisher()
         pool.kv_event_publisher.subscribe(subscriber)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events since the last call (or publish), oldest first; [] when off."""
-        publisher = self._pool.kv_event_publisher
+        publisher = getattr(self._pool, "kv_event_publisher", None)
         return publisher.take_events() if publisher is not None else []
 
     def publish_kv_events(self, ts: float) -> KVEventBatch | None:
         """Batch the pending events under timestamp ``ts`` and hand the batch to
         the subscribers (the scheduler calls it once per step). None when off
         or when nothing changed."""
-        publisher = self._pool.kv_event_publisher
+        publisher = getattr(self._pool, "kv_event_publisher", None)
         return publisher.publish(ts) if publisher is not None else None
 
 

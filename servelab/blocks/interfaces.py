@@ -10,7 +10,10 @@ say what they must do):
 - :class:`BlockPoolProtocol` — the physical blocks behind one manager.
   Implemented by :class:`servelab.blocks.BlockPool` (blocks are
   ``KVCacheBlock`` objects) and :class:`servelab.reference.BlockPool`
-  (blocks are ints). A manager works with its own family's pool.
+  (blocks are ints). A manager works with its own family's pool: the fast
+  :class:`~servelab.blocks.KVCacheManager` takes any object conforming to this
+  Protocol whose blocks are ``KVCacheBlock`` objects (``block_pool=``, e.g. a
+  wrapper delegating to a ``BlockPool``), the reference manager a reference pool.
 - :class:`EvictionPolicy` — which free cached block the pool evicts first.
 
 The rule every implementation keeps (**commit after compute**): a block
@@ -23,6 +26,15 @@ never leaves uncomputed blocks findable.
 
 And every public method either fully applies or leaves no trace: arguments
 are validated before any state changes.
+
+**Per-group shapes** (as vLLM's KV cache coordinator): a manager serves one or
+more KV-cache groups (layers sharing one block table; a full-attention model
+has one, a hybrid model one per kind, see
+:class:`~servelab.blocks.HybridKVCacheManager`). Block ids and newly allocated
+blocks always come as a tuple with one list per group, in group order: a
+single-group manager returns 1-tuples (``([1, 2, 3],)``), never a bare list.
+So every consumer (scheduler, model runner, KV connectors) reads group ``g``
+as ``ids[g]`` whatever the manager.
 
 Call order, per request (scheduler)::
 
@@ -239,20 +251,32 @@ class KVCacheManagerProtocol(Protocol):
         """Longest cached prefix of a request being admitted: its blocks (not
         yet referenced) and length in tokens, a multiple of ``block_size``
         and at most ``num_tokens - 1`` (the last token is always computed:
-        its logits are the point). No side effect; ``([], 0)`` with caching off."""
+        its logits are the point). No side effect; nothing hit with caching off.
+        The blocks are the manager's own hit handle (a list for a single-group
+        manager, one list per group for the hybrid one): pass them unchanged
+        to ``allocate_slots``."""
         ...
 
     def allocate_slots(self, request: KVCacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[Any] | None = None,
-                       num_lookahead_tokens: int = 0) -> Sequence[Any] | None:
+                       num_lookahead_tokens: int = 0) -> tuple[list[Any], ...] | None:
         """Hold slots for ``request.num_computed_tokens + num_new_computed_tokens
         + num_new_tokens + num_lookahead_tokens`` tokens (clipped at
-        ``max_model_len``). ``new_computed_blocks`` (a hit from
-        ``get_computed_blocks``, admission only) gain a reference. Returns
-        the newly allocated blocks (pool blocks with ``.block_id``, or plain int ids
-        as the reference returns), or None when they don't fit (watermark
-        included for admissions) — then nothing changed. Never indexes a
-        block; counts prefix-cache stats when it admits a request."""
+        ``max_model_len``). ``new_computed_blocks`` (the hit exactly as
+        ``get_computed_blocks`` returned it, admission only) gain a reference.
+
+        Returns None when the blocks don't fit (watermark included for
+        admissions) — then nothing changed. Otherwise the newly allocated
+        blocks per group: a tuple with one list per KV-cache group (a 1-tuple
+        for a single-group manager; lists may be empty: nothing new), each
+        block a pool handle (a ``KVCacheBlock`` with ``.block_id`` in the fast
+        pool, a plain ``int`` id in the reference). That is vLLM's
+        ``KVCacheBlocks.blocks`` without the wrapper object: the scheduler
+        needs only "None = no room", the new blocks (for the step's
+        ``new_block_ids``) and their count (``len(result[0])`` tracks a
+        single-group request's slots), and a bare tuple costs nothing on the
+        decode path. Never indexes a block; counts prefix-cache stats when
+        it admits a request."""
         ...
 
     def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
@@ -266,10 +290,11 @@ class KVCacheManagerProtocol(Protocol):
         """Release every block of a request (tail first). Idempotent."""
         ...
 
-    def get_block_ids(self, request: KVCacheRequest | str) -> list[int] | tuple[list[int], ...]:
-        """The request's block-table row: block ids in token order (0 = null).
-        A manager of several KV-cache groups (``HybridKVCacheManager``) returns
-        a tuple of rows, one per group, and ``allocate_slots`` a tuple of lists."""
+    def get_block_ids(self, request: KVCacheRequest | str) -> tuple[list[int], ...]:
+        """The request's block-table rows, one per KV-cache group (a 1-tuple
+        for a single-group manager): ``result[g]`` is group ``g``'s block ids
+        in token order (0 = null block). Empty lists for a request holding
+        nothing. Fresh lists: the caller may keep or change them."""
         ...
 
     def reset_prefix_cache(self) -> bool:

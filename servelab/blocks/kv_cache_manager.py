@@ -32,8 +32,16 @@ an exception (or ``None`` from ``allocate_slots``) leaves no trace.
 ``allocate_slots`` admits it (vLLM semantics), not on every lookup while it
 waits for memory.
 
-**One owner.** The manager owns its :class:`BlockPool` (built from
-``num_blocks`` / ``eviction_policy``, or injected with ``block_pool=``);
+**Per-group shapes.** One manager is one KV-cache group, and it answers in
+the shape every manager shares (vLLM's coordinator's): ``get_block_ids``
+returns a 1-tuple ``([ids...],)`` and ``allocate_slots`` a 1-tuple of the new
+blocks ``([blocks...],)`` (see
+:class:`~servelab.blocks.interfaces.KVCacheManagerProtocol`).
+
+**One owner.** The manager owns its pool (a :class:`BlockPool` built from
+``num_blocks`` / ``eviction_policy``, or any object conforming to
+:class:`~servelab.blocks.interfaces.BlockPoolProtocol` injected with
+``block_pool=``);
 the per-spec helper it uses is rebuilt with it, so there is no second,
 stale reference. ``manager.block_pool = other`` works while no request holds
 blocks and raises otherwise.
@@ -44,19 +52,21 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from servelab._internal.conformance import check_conforms
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
-from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_fields, make_publisher
+from servelab.blocks.events import KVEventPublisher, KVEventSource, KVEventSubscriber, event_fields, make_publisher
 from servelab.blocks.free_queue import KVCacheBlock
-from servelab.blocks.interfaces import EvictionPolicy
+from servelab.blocks.interfaces import BlockPoolProtocol, EvictionPolicy
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import SingleTypeManager, manager_class_for
 from servelab.blocks.specs import KVCacheSpec
 from servelab.blocks.stats import PrefixCacheStats
 
 
-def _request_id(request: object) -> str:
+def _request_id(request: Any) -> str:
     try:
         request_id = request.request_id
         request.num_tokens, request.num_computed_tokens, request.block_hashes  # noqa: B018
@@ -83,16 +93,22 @@ class KVCacheManager(KVEventSource):
             can still grow without immediate preemption. In [0, 1).
         eviction_policy: for the pool built here: a registered name
             (default ``"lru"``) or an :class:`EvictionPolicy` object.
-        block_pool: a ready :class:`BlockPool` (or subclass) to use instead;
-            it must have ``num_blocks`` blocks and the same ``enable_caching``,
-            hold no blocks and belong to no other manager. Its eviction policy
-            is its own (``eviction_policy`` must then be left None).
+        block_pool: a ready pool to use instead: any object conforming to
+            :class:`~servelab.blocks.interfaces.BlockPoolProtocol` whose blocks
+            are ``KVCacheBlock`` objects (a :class:`BlockPool`, a subclass, or
+            a class wrapping one). It must have ``num_blocks`` blocks and the
+            same ``enable_caching``, hold no blocks and belong to no other
+            manager. Its eviction policy is its own (``eviction_policy`` must
+            then be left None). KV events need a pool with a
+            ``kv_event_publisher`` attribute (``BlockPool`` has one).
         kv_events: publish KV-cache events (:mod:`servelab.blocks.events`):
             ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, batched
             per step by :meth:`publish_kv_events`. Off by default (zero cost).
         kv_event_subscribers: a callable ``f(batch)`` or several; giving one
             turns events on. More can be added with :meth:`subscribe_kv_events`.
     """
+
+    _pool: BlockPoolProtocol
 
     def __init__(
         self,
@@ -103,7 +119,7 @@ class KVCacheManager(KVEventSource):
         max_model_len: int | None = None,
         watermark: float = 0.0,
         eviction_policy: str | EvictionPolicy | None = None,
-        block_pool: BlockPool | None = None,
+        block_pool: BlockPoolProtocol | None = None,
         kv_events: bool = False,
         kv_event_subscribers: Iterable[KVEventSubscriber] | KVEventSubscriber | None = None,
     ) -> None:
@@ -133,38 +149,40 @@ class KVCacheManager(KVEventSource):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        self._pool: BlockPool | None = None
-        self._take_pool(block_pool, num_blocks, manager_cls)
-        if publisher is not None:
-            block_pool.kv_event_publisher = publisher
+        self._take_pool(block_pool, num_blocks, manager_cls, publisher)
 
     # ---- the pool ----------------------------------------------------------
 
     @property
-    def block_pool(self) -> BlockPool:
+    def block_pool(self) -> BlockPoolProtocol:
         """The pool this manager owns. Assignable while no request holds blocks."""
         return self._pool
 
     @block_pool.setter
-    def block_pool(self, pool: BlockPool) -> None:
+    def block_pool(self, pool: BlockPoolProtocol) -> None:
         if self.req_to_blocks:
             raise ValueError(f"cannot replace block_pool while {len(self.req_to_blocks)} requests hold blocks "
                              "of the current one; free them first")
         self._take_pool(pool, self._pool.num_blocks, type(self._manager))
         self._num_cached_blocks.clear()
 
-    def _take_pool(self, pool: BlockPool, num_blocks: int, manager_cls: type) -> None:
-        """Validate ``pool`` fully, then become its only owner."""
-        if not isinstance(pool, BlockPool):
-            raise TypeError(f"block_pool must be a servelab.blocks.BlockPool (or a subclass), got "
-                            f"{type(pool).__name__}; the reference pool pairs with servelab.reference.KVCacheManager")
+    def _take_pool(self, pool: BlockPoolProtocol, num_blocks: int, manager_cls: type,
+                   publisher: KVEventPublisher | None = None) -> None:
+        """Validate ``pool`` fully, then become its only owner (the KV events, ``publisher`` or
+        the current pool's, follow the manager)."""
+        check_conforms(pool, BlockPoolProtocol, "block_pool")
+        if not isinstance(pool.null_block, KVCacheBlock):
+            raise TypeError(f"block_pool ({type(pool).__name__}) hands out {type(pool.null_block).__name__} "
+                            "blocks; this manager needs KVCacheBlock objects (the reference pool, whose blocks "
+                            "are ints: the reference pool pairs with servelab.reference.KVCacheManager)")
         if pool.num_blocks != num_blocks:
             raise ValueError(f"block_pool has num_blocks={pool.num_blocks}, the manager needs {num_blocks} "
                              "(the KV tensors are sized for it)")
         if pool.enable_caching != self.enable_caching:
             raise ValueError(f"block_pool.enable_caching={pool.enable_caching} differs from the manager's "
                              f"enable_caching={self.enable_caching}")
-        if pool is self._pool:
+        old: BlockPoolProtocol | None = getattr(self, "_pool", None)  # None: the constructor's first pool
+        if pool is old:
             return
         owner = getattr(pool, "_owner", None)
         if owner is not None and owner() is not None:
@@ -172,11 +190,18 @@ class KVCacheManager(KVEventSource):
         if pool.num_free_blocks != pool.num_blocks - 1:
             raise ValueError(f"block_pool has {pool.num_blocks - 1 - pool.num_free_blocks} blocks held; "
                              "a pool is handed over with every block free")
-        if self._pool is not None:
-            self._pool._owner = None
-            if self._pool.kv_event_publisher is not None:  # the events follow the manager
-                pool.kv_event_publisher, self._pool.kv_event_publisher = self._pool.kv_event_publisher, None
-        pool._owner = weakref.ref(self)
+        if old is not None:
+            publisher = getattr(old, "kv_event_publisher", None)
+        if publisher is not None and not hasattr(pool, "kv_event_publisher"):
+            raise ValueError(f"block_pool ({type(pool).__name__}) has no kv_event_publisher attribute, so it "
+                             "cannot publish this manager's KV events (servelab.blocks.BlockPool can)")
+        if old is not None:
+            old._owner = None  # type: ignore[attr-defined]
+            if publisher is not None:
+                old.kv_event_publisher = None  # type: ignore[attr-defined]
+        if publisher is not None:
+            pool.kv_event_publisher = publisher  # type: ignore[attr-defined]
+        pool._owner = weakref.ref(self)  # type: ignore[attr-defined]
         self._pool = pool
         self._manager = manager_cls(self.spec, pool)
 
@@ -210,10 +235,11 @@ class KVCacheManager(KVEventSource):
         """The blocks a request holds, in token order (empty if none)."""
         return list(self.req_to_blocks.get(request_id, ()))
 
-    def get_block_ids(self, request: KVCacheRequest | str) -> list[int]:
-        """Block ids of a request's block table row (0 = null block)."""
+    def get_block_ids(self, request: KVCacheRequest | str) -> tuple[list[int]]:
+        """The request's block-table row as a 1-tuple (one KV-cache group):
+        ``([id, ...],)`` in token order, 0 = null block; ``([],)`` when it holds nothing."""
         request_id = request if isinstance(request, str) else request.request_id
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        return ([b.block_id for b in self.req_to_blocks.get(request_id, ())],)
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: its blocks (not yet
@@ -235,7 +261,7 @@ class KVCacheManager(KVEventSource):
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> tuple[list[KVCacheBlock]] | None:
         """Hold blocks for ``request.num_computed_tokens + num_new_computed_tokens
         + num_new_tokens + num_lookahead_tokens`` tokens. Never indexes a block
         (``cache_blocks`` does, once the KV is written).
@@ -248,8 +274,9 @@ class KVCacheManager(KVEventSource):
             num_lookahead_tokens: extra slots for speculative drafts.
 
         Returns:
-            The newly allocated blocks (possibly empty), or None if they don't
-            fit — in which case nothing changed.
+            The newly allocated blocks as a 1-tuple (one KV-cache group; the
+            list may be empty), or None if they don't fit — in which case
+            nothing changed.
         """
         # Step 1: validate everything (inline checks for the per-step common case).
         if type(num_new_tokens) is not int or num_new_tokens < 0:
@@ -260,7 +287,7 @@ class KVCacheManager(KVEventSource):
             check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
         if not num_new_computed_tokens and not new_computed_blocks and not self._manager.releases_blocks:
             # Fast path (most decode steps): the held blocks already have every slot.
-            held = self.req_to_blocks.get(getattr(request, "request_id", None))
+            held = self.req_to_blocks.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
             computed = getattr(request, "num_computed_tokens", None)
             if held and type(computed) is int and computed >= 0:
                 num_slots = computed + num_new_tokens
@@ -270,7 +297,7 @@ class KVCacheManager(KVEventSource):
                     if max_len is not None and num_slots > max_len:
                         num_slots = max_len
                     if num_slots <= len(held) * self.block_size:
-                        return []
+                        return ([],)
         request_id = _request_id(request)
         held = self.req_to_blocks.get(request_id)
         hit = self._check_hit(request_id, held, num_new_computed_tokens, new_computed_blocks)
@@ -299,7 +326,7 @@ class KVCacheManager(KVEventSource):
             stats.requests += 1
             stats.queried_tokens += request.num_tokens
             stats.hit_tokens += num_new_computed_tokens
-        return new_blocks
+        return (new_blocks,)
 
     def _check_hit(self, request_id: str, held: list[KVCacheBlock] | None, num_new_computed_tokens: int,
                    new_computed_blocks: Sequence[KVCacheBlock] | None) -> list[KVCacheBlock]:
@@ -367,7 +394,7 @@ class KVCacheManager(KVEventSource):
             if hit:
                 self._num_cached_blocks[request_id] = len(hit)
             return new_blocks
-        if released:
+        if released and plan is not None:
             held[:] = plan
         if new_blocks:
             held.extend(new_blocks)
@@ -406,7 +433,7 @@ class KVCacheManager(KVEventSource):
             num_full = min(num_full, len(hashes))
             if num_full > num_cached:
                 pool = self._pool
-                if pool.kv_event_publisher is None:
+                if getattr(pool, "kv_event_publisher", None) is None:
                     pool.cache_full_blocks(held, hashes, num_cached, num_full)
                 else:
                     pool.cache_full_blocks(held, hashes, num_cached, num_full, *event_fields(request, block_size))

@@ -79,7 +79,7 @@ def _admit_waiting(manager: KVCacheManager, waiting: list, running: list, budget
         waiting.pop(0)
         running.append((req, target))
         result.allocations += 1
-        result.blocks_allocated += len(new)
+        result.blocks_allocated += len(new[0])  # one KV-cache group
         req.num_computed_tokens = num_hit + num_new
         budget -= num_new
     return budget
@@ -127,7 +127,7 @@ def run_block_demo(
             if new is None:
                 continue
             result.allocations += 1
-            result.blocks_allocated += len(new)
+            result.blocks_allocated += len(new[0])  # one KV-cache group
             req.num_computed_tokens += num_new
             budget -= num_new
         budget = _admit_waiting(manager, waiting, running, budget, result)

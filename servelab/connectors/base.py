@@ -19,19 +19,20 @@ servelab ``Pipeline`` (the scheduler calls one half, the model runner the other)
    called several times for one request.
 2. ``update_state_after_alloc(request, block_ids, num_external_tokens)`` once
    the scheduler holds blocks for those tokens (``block_ids``: the request's
-   whole block-table row, one list per KV-cache group as a tuple for a hybrid
-   manager; the external tokens are positions ``num_computed_tokens ..
-   num_computed_tokens + num_external_tokens - 1``). The connector records the
-   load it owes.
+   whole block-table rows, a tuple with one list per KV-cache group, a
+   1-tuple for a single-group model; the external tokens are positions
+   ``num_computed_tokens .. num_computed_tokens + num_external_tokens - 1``).
+   The connector records the load it owes.
 3. ``build_connector_meta(scheduler_output)`` once per ``schedule()``, last:
    the per-step :class:`KVConnectorMetadata` the worker side acts on. It
    resets the connector's per-step state.
 4. ``request_finished(request, block_ids)`` exactly once when a request ends,
-   before its blocks are freed. Returns ``(delay_free, params)``: with
-   ``delay_free`` the connector takes over freeing — the scheduler keeps the
-   blocks (not findable anew, not reused) until the worker reports the request
-   in ``finished_sending``; ``params`` (or None) lands on the request
-   (``Request.kv_transfer_params``) for the caller.
+   before its blocks are freed (``block_ids``: per group, as above). Returns
+   ``(delay_free, params)``: with ``delay_free`` the connector takes over
+   freeing — the scheduler keeps the blocks (not findable anew, not reused)
+   until the worker reports the request in ``finished_sending``; ``params``
+   (or None) lands on the request (``Request.kv_transfer_params``) for the
+   caller.
 
 **Worker side** (called by the model runner, around each forward, every step
 including steps that compute nothing):
@@ -141,14 +142,15 @@ class KVConnector(ABC):
         """``(tokens the connector can provide past num_computed_tokens, load_async)``."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None:
         """Blocks are held for the external tokens: record the load."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's metadata for the worker side (resets per-step state)."""
 
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """A request ended: ``(the connector frees its blocks later, transfer params)``."""
         return False, None
 

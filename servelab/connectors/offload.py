@@ -157,7 +157,7 @@ class OffloadConnector(KVConnector):
     def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
         if not num_external_tokens:
             return
-        rows = block_ids if self._hybrid else (block_ids,)
+        rows = block_ids  # one list per KV-cache group
         start = request.num_computed_tokens
         blocks = []
         for g, spec in enumerate(self._group_specs):

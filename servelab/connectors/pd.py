@@ -135,7 +135,8 @@ class PDConnector(KVConnector):
         start = request.num_computed_tokens // self.block_size
         end = (request.num_computed_tokens + num_external_tokens) // self.block_size
         self._pulled.add(tid)
-        self._loads.append((request.request_id, tid, [(i, block_ids[i]) for i in range(start, end)]))
+        row = block_ids[0]  # one KV-cache group
+        self._loads.append((request.request_id, tid, [(i, row[i]) for i in range(start, end)]))
 
     def build_connector_meta(self, scheduler_output: Any) -> PDMetadata:
         last = self._last_meta
@@ -158,7 +159,7 @@ class PDConnector(KVConnector):
         if num_blocks == 0:
             return False, None
         tid = request.request_id
-        blocks = list(block_ids[:num_blocks])
+        blocks = list(block_ids[0][:num_blocks])  # one KV-cache group
         # Published now (this step's forward wrote the KV): a pull reads the held blocks until settled.
         self.channel.publish(tid, list(request.block_hashes[:num_blocks]),
                              lambda i: self._block_tensors(blocks[i]), self.lease_s)

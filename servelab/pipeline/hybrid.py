@@ -234,12 +234,12 @@ class HybridModelRunner(ModelRunner):
             self._free_rows = list(range(2 * old_rows - 1, old_rows - 1, -1))
         return self._free_rows.pop()
 
-    def _set_blocks(self, state: CachedRequestState, block_ids: Any, append: bool) -> None:
+    def _set_blocks(self, state: CachedRequestState, block_ids: tuple[list[int], ...], append: bool) -> None:
         if not block_ids:  # nothing new in any group
             if not append:
                 state.group_blocks = [0] * len(self.groups)
             return
-        if len(block_ids) != len(self.groups) or isinstance(block_ids[0], int):
+        if len(block_ids) != len(self.groups):
             raise RuntimeError(f"request {state.req_id!r}: block ids {block_ids!r} are not one list per KV-cache "
                                f"group ({len(self.groups)}); is the scheduler's manager the hybrid one?")
         counts = state.group_blocks if append and state.group_blocks is not None else [0] * len(self.groups)

@@ -62,7 +62,6 @@ rows, and come back in a later ``SchedulerOutput`` as resumed or new.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,8 +184,13 @@ class ModelRunner(TreeSteps):
             self._free_rows = list(range(2 * old.shape[0] - 1, old.shape[0] - 1, -1))
         return self._free_rows.pop()
 
-    def _set_blocks(self, state: CachedRequestState, block_ids: Iterable[int], append: bool) -> None:
-        ids = list(block_ids)
+    def _set_blocks(self, state: CachedRequestState, block_ids: tuple[list[int], ...], append: bool) -> None:
+        """Write a request's block ids into its block-table row (or append to it).
+        ``block_ids``: one list per KV-cache group, exactly one here; ``()``: nothing new."""
+        if len(block_ids) > 1:
+            raise RuntimeError(f"request {state.req_id!r}: block ids for {len(block_ids)} KV-cache groups reached a "
+                               "single-group model runner; a hybrid manager needs the hybrid runner")
+        ids = block_ids[0] if block_ids else []
         start = state.num_blocks if append else 0
         if start + len(ids) > self._bt.shape[1]:
             grown = torch.zeros((self._bt.shape[0], start + len(ids)), dtype=torch.int32)

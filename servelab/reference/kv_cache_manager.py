@@ -15,7 +15,8 @@ algorithms, over the reference pool (blocks are ints).
 - Atomic: everything is checked (fit included) before anything changes.
 - Stats: counted once per admission, when ``allocate_slots`` admits.
 
-Constructor arguments are the fast manager's; ``eviction_policy`` must be a
+Shapes are the Protocol's: ``get_block_ids`` and ``allocate_slots`` answer
+1-tuples (one KV-cache group). Constructor arguments are the fast manager's; ``eviction_policy`` must be a
 name the reference pool models (``"lru"``, ``"lfu"``,
 ``"fewest_descendants"``) and ``block_pool`` a reference ``BlockPool``.
 """
@@ -89,9 +90,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self._pool.usage
 
-    def get_block_ids(self, request) -> list[int]:
+    def get_block_ids(self, request) -> tuple[list[int]]:
+        """One KV-cache group: the row as a 1-tuple."""
         request_id = request if isinstance(request, str) else request.request_id
-        return list(self.req_to_blocks.get(request_id, []))
+        return (list(self.req_to_blocks.get(request_id, [])),)
 
     def _blocks_for(self, num_tokens: int) -> int:
         if isinstance(self.spec, MambaSpec):
@@ -127,7 +129,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: Sequence[int] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+                       num_lookahead_tokens: int = 0) -> tuple[list[int]] | None:
         for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
                             ("num_lookahead_tokens", num_lookahead_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -172,7 +174,7 @@ class KVCacheManager:
             self.prefix_cache_stats.requests += 1
             self.prefix_cache_stats.queried_tokens += request.num_tokens
             self.prefix_cache_stats.hit_tokens += num_new_computed_tokens
-        return new_blocks
+        return (new_blocks,)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         if isinstance(num_computed_tokens, bool) or not isinstance(num_computed_tokens, int) \

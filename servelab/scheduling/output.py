@@ -25,15 +25,17 @@ inputs from a ``SchedulerOutput`` alone:
   output's ``preempted_req_ids`` and may be scheduled again in that same
   output (resumed, or new if their first step was the one rolled back).
 
-**Block ids, one group or several.** With a single KV-cache group (the
-:class:`~servelab.blocks.KVCacheManager`) ``block_ids`` and each
-``new_block_ids[i]`` are plain lists of ints (``new_block_ids[i]`` may be an
-empty tuple: nothing new). With a manager of several groups
-(:class:`~servelab.blocks.HybridKVCacheManager`, e.g. Gemma 2's sliding and
-full layers) they are a **tuple of lists, one per group** in the manager's
-``groups`` order: ``block_ids[g]`` is group ``g``'s row, ``new_block_ids[i][g]``
-what to append to it (possibly empty), and the runner keeps one table per
-group (:class:`~servelab.pipeline.hybrid.HybridModelRunner`). Position ``p``
+**Block ids: one list per KV-cache group, always** (vLLM's shape).
+``block_ids`` and each ``new_block_ids[i]`` are a **tuple of lists, one per
+group** in the manager's group order: ``block_ids[g]`` is group ``g``'s row,
+``new_block_ids[i][g]`` what to append to it (possibly empty). A single-group
+manager (the :class:`~servelab.blocks.KVCacheManager`, full attention) gives
+1-tuples: ``block_ids == ([3, 7, 9],)``, its row is ``block_ids[0]``. A
+manager of several groups (:class:`~servelab.blocks.HybridKVCacheManager`,
+e.g. Gemma 2's sliding and full layers) gives one list per group, and the
+runner keeps one table per group
+(:class:`~servelab.pipeline.hybrid.HybridModelRunner`). ``new_block_ids[i]``
+may be the empty tuple ``()``: nothing new in any group. Position ``p``
 of group ``g`` goes to slot ``row_g[p // block_size_g] * block_size_g + p %
 block_size_g``. A row may hold the null block (0) for positions a sliding
 window released; releases while a request runs are not reported (the window
@@ -42,7 +44,7 @@ never reads those positions again).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +59,9 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int] | tuple[list[int], ...]
-    """The request's whole block-table row; one row per KV-cache group (a tuple)
-    when the manager has several (see the module docstring)."""
+    block_ids: tuple[list[int], ...]
+    """The request's whole block-table rows, one list per KV-cache group (a
+    1-tuple for a single-group manager; see the module docstring)."""
     num_computed_tokens: int
     """Tokens already in the cache before this step (a prefix-cache hit)."""
 
@@ -70,9 +72,9 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     resumed: list[bool] = field(default_factory=list)
-    new_block_ids: list[Sequence[int] | tuple[list[int], ...]] = field(default_factory=list)
-    """Blocks to append to the row; for a resumed request, the whole new row.
-    Per KV-cache group (a tuple of lists) when the manager has several."""
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
+    """Blocks to append to the rows, one list per KV-cache group (``()``: nothing
+    new); for a resumed request, the whole new rows."""
     num_computed_tokens: list[int] = field(default_factory=list)
     """Tokens in the cache before this step."""
     resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)

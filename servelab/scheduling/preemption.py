@@ -25,10 +25,10 @@ class Preemption(RequestTransitions):
     _delayed_free: dict[str, Request]
 
     def _make_room(self, step: _Step, req: Request, i: int, n: int, ahead: int
-                   ) -> tuple[Sequence[Any] | None, int, int]:
+                   ) -> tuple[tuple[list[Any], ...] | None, int, int]:
         """Preempt policy-chosen victims until ``req`` (``running[i]``) gets
         slots for ``n`` tokens (alone: maybe a smaller chunk, see
-        :meth:`_allocate_alone`). Returns its new blocks, or None when it left
+        :meth:`_allocate_alone`). Returns its new blocks (per group), or None when it left
         ``running`` (its own victim, failed); the index of the request after
         it; and the tokens it gets."""
         kv = self.kv_cache_manager
@@ -71,11 +71,11 @@ class Preemption(RequestTransitions):
                 return new_blocks, i, n
 
     def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: Sequence[Any] | None = None
-                        ) -> tuple[Sequence[Any] | None, int]:
+                        ) -> tuple[tuple[list[Any], ...] | None, int]:
         """``req`` has the pool to itself and ``n`` tokens find no room: a manager
         with ``max_chunk_alone`` (the hybrid one: sliding windows need only the
         window plus one chunk) may serve it in smaller chunks. Returns the new
-        blocks and the chunk, or (None, n): it can never run here."""
+        blocks (per group) and the chunk, or (None, n): it can never run here."""
         fit = getattr(self.kv_cache_manager, "max_chunk_alone", None)
         if fit is None or not self.config.enable_chunked_prefill:
             return None, n

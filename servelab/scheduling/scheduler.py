@@ -102,7 +102,7 @@ from servelab.scheduling.step import block_ids as _block_ids
 from servelab.scheduling.step import raised as _raised
 from servelab.scheduling.transitions import PREEMPTED, RUNNING, WAITING
 
-_NO_BLOCKS: tuple[int, ...] = ()
+_NO_BLOCKS: tuple[list[int], ...] = ()  # new_block_ids entry: nothing new in any KV-cache group
 
 
 class Scheduler(Preemption, ConnectorStates):
@@ -336,10 +336,10 @@ class Scheduler(Preemption, ConnectorStates):
                     budget = step.budget
                     if new_blocks is None:
                         continue  # req left `running`; running[i] is the next one
-                if new_blocks:
+                if any(new_blocks):  # one list per KV-cache group; all empty: nothing new
                     new_blocks_of[rid] = new_blocks
-                    if track:
-                        req.kv_capacity += len(new_blocks) * block_size
+                    if track:  # one group
+                        req.kv_capacity += len(new_blocks[0]) * block_size
             num_scheduled[rid] = n
             scheduled_reqs[rid] = req
             budget -= n
@@ -472,7 +472,7 @@ class Scheduler(Preemption, ConnectorStates):
         rid = req.request_id
         block_ids = self.kv_cache_manager.get_block_ids(req)
         if self._track_capacity:
-            req.kv_capacity = len(block_ids) * self.block_size
+            req.kv_capacity = len(block_ids[0]) * self.block_size  # one group
         cached = step.cached
         if req.status is PREEMPTED:
             cached.req_ids.append(rid)

@@ -10,13 +10,13 @@ from servelab.scheduling.request import Request
 __all__ = ["Step", "block_ids", "raised"]
 
 
-def block_ids(blocks: list[Any]) -> list[int]:
-    """Ids of the blocks ``allocate_slots`` returned: pool blocks (``.block_id``) or, from
-    the plain reference manager, the ids themselves. A tuple holds one list per KV-cache
-    group (``HybridKVCacheManager``) and gives one id list per group."""
-    if type(blocks) is tuple:
-        return tuple([b if type(b) is int else b.block_id for b in group] for group in blocks)
-    return [b if type(b) is int else b.block_id for b in blocks]
+def block_ids(blocks: tuple[list[Any], ...]) -> tuple[list[int], ...]:
+    """Per-group ids of the blocks ``allocate_slots`` returned (one list per KV-cache
+    group): a block is a pool block (``.block_id``) or, from the plain reference
+    manager, the id itself."""
+    if len(blocks) == 1:  # one group (full attention): no generator
+        return ([b if type(b) is int else b.block_id for b in blocks[0]],)
+    return tuple([b if type(b) is int else b.block_id for b in group] for group in blocks)
 
 
 def raised(who: str, exc: BaseException) -> str:
@@ -36,8 +36,8 @@ class Step:
         self.spec_tokens: dict[str, list[int]] = {}
         self.reqs: dict[str, Request] = {}
         """The running requests scheduled so far (same ids and order as ``num_scheduled``)."""
-        self.new_blocks_of: dict[str, list] = {}
-        """Blocks ``allocate_slots`` returned, for the running requests that got any."""
+        self.new_blocks_of: dict[str, tuple[list[Any], ...]] = {}
+        """Blocks ``allocate_slots`` returned (per group), for the running requests that got any."""
         self.preempted: set[str] = set()
         self.cached = CachedRequestData()
         self.new_reqs: list[NewRequestData] = []

@@ -34,7 +34,7 @@ def test_prefix_hit_is_capped_at_num_tokens_minus_one():
     c = seq("c", 9)
     hit, _ = admit(mgr, c)
     assert hit == 8
-    assert mgr.get_block_ids(c)[:2] == mgr.get_block_ids(a)
+    assert mgr.get_block_ids(c)[0][:2] == mgr.get_block_ids(a)[0]
     assert mgr.prefix_cache_stats.hit_tokens == 12
     assert mgr.prefix_cache_stats.hit_rate == pytest.approx(12 / 25)
 
@@ -47,13 +47,13 @@ def test_allocation_is_all_or_nothing():
     b = seq("b", 8, start=100)
     assert mgr.allocate_slots(b, 8) is None
     assert (mgr.num_free_blocks, mgr.block_pool.ref_counts()) == before
-    assert mgr.get_block_ids(b) == []
+    assert mgr.get_block_ids(b) == ([],)
 
 
 def test_lookahead_slots_are_allocated_but_never_hashed():
     mgr = KVCacheManager(FULL, 8)
     a = seq("a", 4)
-    new = mgr.allocate_slots(a, 4, num_lookahead_tokens=5)
+    (new,) = mgr.allocate_slots(a, 4, num_lookahead_tokens=5)  # one KV-cache group
     assert len(new) == 3  # 4 + 5 slots -> 3 blocks
     assert [b.block_hash is not None for b in new] == [False, False, False]  # nothing before compute
     a.num_computed_tokens = 4
@@ -79,13 +79,13 @@ def test_sliding_window_returns_out_of_window_blocks():
     mgr = KVCacheManager(spec, 8)
     a = seq("a", 12)
     admit(mgr, a)
-    assert mgr.get_block_ids(a) == [1, 2, 3]
+    assert mgr.get_block_ids(a) == ([1, 2, 3],)
     # Next token (position 12) sees 9..12: blocks 0 and 1 (tokens 0..7) are dead.
     a.append_token_ids([99])
     mgr.allocate_slots(a, 1)
     a.num_computed_tokens = 13
     mgr.cache_blocks(a, 13)
-    assert mgr.get_block_ids(a) == [0, 0, 3, 4]
+    assert mgr.get_block_ids(a) == ([0, 0, 3, 4],)
     # Their content stays cached for others: a request with the same prefix hits,
     # needing only the last window-1 tokens' blocks.
     b = seq("b", 13)
@@ -97,21 +97,21 @@ def test_mla_and_mamba():
     mla = KVCacheManager(MLAAttentionSpec(block_size=BS, head_size=16, dtype=torch.bfloat16), 8)
     r = seq("r", 9)
     admit(mla, r)
-    assert len(mla.get_block_ids(r)) == 3
+    assert len(mla.get_block_ids(r)[0]) == 3
     mamba = KVCacheManager(MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,)), 3,
                            enable_caching=False)
     r = seq("r", 100)
-    assert len(mamba.allocate_slots(r, 100)) == 1
+    assert len(mamba.allocate_slots(r, 100)[0]) == 1
     r.num_computed_tokens = 100
     r.append_token_ids([1])
-    assert mamba.allocate_slots(r, 1) == [] and mamba.get_block_ids(r) == [1]
+    assert mamba.allocate_slots(r, 1) == ([],) and mamba.get_block_ids(r) == ([1],)
 
 
 def test_free_is_tail_first_and_idempotent():
     mgr = KVCacheManager(FULL, 6)
     a = seq("a", 13)
     admit(mgr, a)
-    ids = mgr.get_block_ids(a)
+    (ids,) = mgr.get_block_ids(a)
     mgr.free(a)
     mgr.free(a)
     mgr.free("never-seen")
@@ -141,7 +141,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="over max_model_len=8"):
         mgr.allocate_slots(a, 9)
     mgr.allocate_slots(a, 8, num_lookahead_tokens=4)  # lookahead is clipped at max_model_len
-    assert len(mgr.get_block_ids(a)) == 2
+    assert len(mgr.get_block_ids(a)[0]) == 2
     a.num_computed_tokens = 8
     mgr.cache_blocks(a, 8)
     b = seq("b", 8)

@@ -207,7 +207,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         n_hit = len(hit_ids) * self.block_size
         fast = self.fast.allocate_slots(req, num_new, n_hit, fast_hit, lookahead)
         ref = self.ref.allocate_slots(req, num_new, n_hit, list(hit_ids), lookahead)
-        assert (None if fast is None else [b.block_id for b in fast]) == ref
+        assert (None if fast is None else tuple([b.block_id for b in g] for g in fast)) == ref  # one list per group
         return ref is not None
 
     def _commit(self, req, num_computed):
@@ -302,11 +302,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         for req in self.running:
             ids = self.fast.get_block_ids(req)
             assert ids == self.ref.get_block_ids(req)
+            assert type(ids) is tuple and len(ids) == 1 and type(ids[0]) is list  # one KV-cache group
+            (ids,) = ids
             # Every computed token has a slot (null only where out of window).
             assert len(ids) * self.block_size >= req.num_computed_tokens
         assert set(self.fast.req_to_blocks) == {r.request_id for r in self.running}
         refs = self.fast.block_pool.ref_counts()
-        held = sum(1 for r in self.running for i in self.fast.get_block_ids(r) if i != 0)
+        held = sum(1 for r in self.running for i in self.fast.get_block_ids(r)[0] if i != 0)
         assert sum(refs) == held, "reference counts must equal the blocks requests hold"
         assert self.fast.prefix_cache_stats == self.ref.prefix_cache_stats
         # Commit after compute: a request's indexed blocks hold computed tokens only.

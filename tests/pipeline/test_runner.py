@@ -35,7 +35,7 @@ def test_runner_inputs_equal_a_rebuild_from_the_scheduler(tiny, arch, kwargs):
             known = req.all_token_ids + so.scheduled_spec_decode_tokens.get(rid, [])
             tokens.append(known[c:c + n])
             computed.append(c)
-            tables.append(manager.get_block_ids(rid))
+            tables.append(manager.get_block_ids(rid)[0])  # one KV-cache group
         ids, pos, want = prepare_inputs(tokens, computed, tables, runner.block_size)
         assert torch.equal(input_ids, ids) and torch.equal(positions, pos)
         assert torch.equal(meta.slot_mapping, want.slot_mapping)
@@ -69,3 +69,19 @@ def test_runner_inputs_equal_a_rebuild_from_the_scheduler(tiny, arch, kwargs):
     if "drafter" in kwargs:
         assert seen["drafts"] > 0
     assert_no_leaks(pipe)
+
+
+def test_a_single_group_runner_reads_group_0_and_refuses_several_groups(tiny):
+    from servelab.scheduling.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    runner = Pipeline.from_pretrained(tiny["llama"], block_size=4, num_blocks=20).runner
+
+    def out(rid, block_ids):
+        new = NewRequestData(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), block_ids, 0)
+        return SchedulerOutput([new], CachedRequestData(), {rid: 5}, 5, {}, set(), set())
+
+    runner._update_states(out("a", ([3, 7],)))  # one list per KV-cache group: the row is group 0's
+    state = runner.requests["a"]
+    assert state.num_blocks == 2 and runner.block_table[state.row, :2].tolist() == [3, 7]
+    with pytest.raises(RuntimeError, match="block ids for 2 KV-cache groups reached a single-group model runner"):
+        runner._update_states(out("b", ([3, 7], [8])))

@@ -87,25 +87,34 @@ def run_to_end(sched: Scheduler, max_steps: int = 10_000, token=None) -> dict[st
 
 
 class RunnerMirror:
-    """What a model runner keeps: one block-table row per request, built only
-    from scheduler outputs (never asking the scheduler)."""
+    """What a model runner keeps: one block-table row per KV-cache group per
+    request (a tuple of lists, as ``get_block_ids`` answers), built only from
+    scheduler outputs (never asking the scheduler)."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[int]] = {}
+        self.rows: dict[str, tuple[list[int], ...]] = {}
         self.computed: dict[str, int] = {}
+
+    @staticmethod
+    def _per_group(ids: object, what: str) -> tuple[list[int], ...]:
+        assert type(ids) is tuple and all(type(g) is list for g in ids), f"{what}: {ids!r} is not one list per group"
+        return tuple(list(g) for g in ids)
 
     def apply(self, out: SchedulerOutput) -> None:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.rows.pop(rid, None)
         for data in out.scheduled_new_reqs:
             assert data.req_id not in self.rows, f"{data.req_id} is new twice"
-            self.rows[data.req_id] = list(data.block_ids)
+            self.rows[data.req_id] = self._per_group(data.block_ids, "block_ids")
             self.computed[data.req_id] = data.num_computed_tokens
         c = out.scheduled_cached_reqs
         for rid, resumed, new_ids, computed in zip(c.req_ids, c.resumed, c.new_block_ids, c.num_computed_tokens):
+            new_ids = self._per_group(new_ids, "new_block_ids")
             if resumed:
                 assert rid not in self.rows, f"resumed {rid} was not dropped at preemption"
-                self.rows[rid] = list(new_ids)
-            else:
-                self.rows[rid].extend(new_ids)
+                self.rows[rid] = new_ids
+            elif new_ids:  # (): nothing new in any group
+                assert len(new_ids) == len(self.rows[rid]), f"{rid}: new ids for {len(new_ids)} groups"
+                for row, ids in zip(self.rows[rid], new_ids):
+                    row.extend(ids)
             self.computed[rid] = computed

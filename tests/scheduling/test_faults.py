@@ -247,7 +247,7 @@ def test_rollback_step_puts_the_step_back_and_the_rerun_matches_a_clean_run():
                 assert s.num_preemptions == preemptions, "a rollback is not a preemption"
                 for rid in out.num_scheduled_tokens:
                     r = s.requests[rid]
-                    assert r.num_computed_tokens == 0 and s.kv_cache_manager.get_block_ids(rid) == []
+                    assert r.num_computed_tokens == 0 and s.kv_cache_manager.get_block_ids(rid) == ([],)
                     assert r in s.waiting and r not in s.running
                 continue
             for o in s.update_from_output(out, fake_output(s, out, lambda r: [len(r.all_token_ids)])):

@@ -100,7 +100,7 @@ def test_preemption_frees_the_victim_resets_it_and_resumes_it_later():
             seen_preempt = victim
             v = s.requests[victim]
             assert v.status is RequestStatus.PREEMPTED and v.num_computed_tokens == 0
-            assert s.kv_cache_manager.get_block_ids(victim) == []
+            assert s.kv_cache_manager.get_block_ids(victim) == ([],)
             assert victim == "b", "FCFS preempts the latest arrival"
             assert not out.scheduled_new_reqs, "nothing is admitted in a step that preempted"
         c = out.scheduled_cached_reqs
@@ -158,7 +158,7 @@ def test_speculative_drafts_are_verified_and_rejected_ones_roll_back():
     out = s.schedule()
     assert out.num_scheduled_tokens == {"a": 6}
     # Lookahead slots for the drafter: 6 tokens + 3 drafts need 3 blocks.
-    assert len(s.kv_cache_manager.get_block_ids("a")) == 3
+    assert len(s.kv_cache_manager.get_block_ids("a")[0]) == 3
     s.update_from_output(out, ModelRunnerOutput(["a"], [[50]], spec_token_ids=[[51, 52, 53]]))
     r = s.requests["a"]
     assert r.num_tokens == 7 and r.num_tokens_with_spec == 10 and r.num_computed_tokens == 6
@@ -168,7 +168,7 @@ def test_speculative_drafts_are_verified_and_rejected_ones_roll_back():
     assert out.scheduled_spec_decode_tokens == {"a": [51, 52, 53]}
     assert r.num_computed_tokens == 10
     # 7 tokens + 3 drafts in flight + 3 lookahead slots for the next drafts: 13 slots, 4 blocks.
-    assert len(s.kv_cache_manager.get_block_ids("a")) == 4
+    assert len(s.kv_cache_manager.get_block_ids("a")[0]) == 4
     # One draft accepted (51), then a correction (60): drafts 52, 53 rejected.
     results = s.update_from_output(out, ModelRunnerOutput(["a"], [[51, 60]], spec_token_ids=[[61, 62, 63]]))
     assert results[0].new_token_ids == [51, 60]
@@ -277,7 +277,7 @@ def test_runner_mirror_rebuilds_every_block_table_from_outputs_alone():
         mirror.apply(out)
         for rid, computed, n in out.iter_scheduled():
             assert mirror.rows[rid] == s.kv_cache_manager.get_block_ids(rid)
-            assert len(mirror.rows[rid]) * 2 >= computed + n
+            assert len(mirror.rows[rid][0]) * 2 >= computed + n
         s.update_from_output(out, fake_output(s, out))
     assert s.num_preemptions > 0, "the pool is sized to force preemption"
 

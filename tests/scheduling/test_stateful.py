@@ -217,7 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid in out.num_scheduled_tokens:
             r = self.reqs[rid]
             if not r.is_finished:
-                assert r.num_computed_tokens == 0 and self.kv.get_block_ids(rid) == []
+                assert r.num_computed_tokens == 0 and self.kv.get_block_ids(rid) == ([],)
 
     @rule(rnd=st.randoms(use_true_random=False), go=st.integers(0, 3))
     def runner_errors(self, rnd, go):
@@ -317,7 +317,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             r = self.reqs[rid]
             ids = self.kv.get_block_ids(rid) if r.status is RequestStatus.RUNNING else ids_before
             n = min(r.num_computed_tokens, r.num_tokens) // bs
-            for h, b in zip(r.block_hashes[:n], ids[:n]):
+            for h, b in zip(r.block_hashes[:n], ids[0][:n]):  # one KV-cache group
                 self.written.add((h, b))
 
     def check_queues(self):
@@ -333,7 +333,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.status is RequestStatus.RUNNING
         for r in sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert kv.get_block_ids(r) == [] and r.num_computed_tokens == 0
+            assert kv.get_block_ids(r) == ([],) and r.num_computed_tokens == 0
         held = sum(len(b) for b in kv.req_to_blocks.values())
         refs = sum(b.ref_cnt for b in kv.block_pool.blocks[1:])
         assert held == refs, "block reference counts do not match the blocks requests hold"
@@ -354,7 +354,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mirror.apply(out)
         for rid, n in nst.items():
             r = sched.requests[rid]
-            assert len(kv.get_block_ids(rid)) * self.block_size >= r.num_computed_tokens, "blocks do not cover"
+            assert len(kv.get_block_ids(rid)[0]) * self.block_size >= r.num_computed_tokens, "blocks do not cover"
             assert r.num_computed_tokens <= min(r.num_tokens_with_spec, cfg.max_model_len)
             if cfg.long_prefill_token_threshold:
                 assert n <= cfg.long_prefill_token_threshold

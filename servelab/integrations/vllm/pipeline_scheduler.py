@@ -10,7 +10,8 @@ can be compared, not only policies.
 
 How it maps (one step): servelab ``Request`` -> a vLLM ``Request`` with the
 same id, prompt, priority and arrival time; vLLM's ``SchedulerOutput`` ->
-servelab's (one KV-cache group: ``block_ids[0]``; a resumed request carries
+servelab's (block ids pass through in vLLM's per-group shape, a tuple with one
+list per KV-cache group, which is servelab's too; a resumed request carries
 its tokens; a request vLLM resumes that the runner never saw as started is
 sent as new); the runner's ``ModelRunnerOutput`` -> vLLM's, then vLLM's
 ``update_from_output``. vLLM's block ids index the pipeline's KV tensors
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from servelab.integrations.vllm._compat import require_vllm
@@ -78,6 +79,11 @@ _TO_VLLM = {
     RequestStatus.FINISHED_FAILED: VllmStatus.FINISHED_ERROR,
 }
 _NATIVE = ("fcfs", "priority")
+
+
+def _per_group(block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
+    """vLLM's per-group block ids (one list per KV-cache group), as fresh lists."""
+    return tuple([*ids] for ids in block_ids)
 
 
 class _VllmKVView:
@@ -252,13 +258,13 @@ class VllmPipelineScheduler:
         for data in vout.scheduled_new_reqs:
             req = requests[data.req_id]
             new_reqs.append(NewRequestData(data.req_id, list(req.prompt_token_ids), req.sampling_params,
-                                           list(data.block_ids[0]), data.num_computed_tokens))
+                                           _per_group(data.block_ids), data.num_computed_tokens))
             self._delivered.add(data.req_id)
         c = vout.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             req = requests[rid]
-            ids = c.new_block_ids[i]
-            row = list(ids[0]) if ids is not None else []
+            ids = c.new_block_ids[i]  # None: nothing new in any group
+            row = _per_group(ids) if ids is not None else ()
             if rid in c.resumed_req_ids and rid not in self._delivered and not req.num_output_tokens:
                 new_reqs.append(NewRequestData(rid, list(req.prompt_token_ids), req.sampling_params, row,
                                                c.num_computed_tokens[i]))
@@ -267,7 +273,7 @@ class VllmPipelineScheduler:
             resumed = rid in c.resumed_req_ids
             cached.req_ids.append(rid)
             cached.resumed.append(resumed)
-            cached.new_block_ids.append(row if (row or resumed) else ())
+            cached.new_block_ids.append(row if (resumed or any(row)) else ())
             cached.num_computed_tokens.append(c.num_computed_tokens[i])
             if resumed:
                 cached.resumed_token_ids[rid] = list(req.all_token_ids)
