@@ -110,8 +110,9 @@ class StepCostModel:
         seconds)`` (all nine). Every subset of the terms is fitted and the best
         valid one kept (exact for this many unknowns); each column is scaled to
         unit maximum first, so microsecond and second terms are fitted alike.
-        ``outlier_mads``: fit, drop the rows whose residual exceeds this many
-        median absolute residuals (steps a shared machine interrupted), refit.
+        ``outlier_mads``: fit, drop the rows whose (weighted) residual exceeds this
+        many median absolute residuals (steps a shared machine interrupted),
+        refit from all rows again; up to three rounds.
         ``relative``: minimise squared *relative* errors (each row weighted by
         1 / its fitted seconds, twice reweighted), so a few long prefill steps
         do not outweigh the many short decode steps that set TPOT.
@@ -136,11 +137,13 @@ class StepCostModel:
             # steps that happened to run fast and bias every prediction low.
             weight = 1.0 / np.maximum(design @ best, 1e-3 * max(float(np.median(y)), 1e-12))
             best = _fit_subsets(design * weight[:, None], y * weight)
-        if outlier_mads is not None:
+        rounds, mads = (3, float(outlier_mads)) if outlier_mads is not None else (0, 0.0)
+        for _ in range(rounds):  # trim, refit, trim again from the better fit
             residual = np.abs(design @ best - y) * weight
-            keep = residual <= outlier_mads * max(float(np.median(residual)), 1e-12)
-            if keep.sum() >= design.shape[1]:
-                best = _fit_subsets(design[keep] * weight[keep, None], y[keep] * weight[keep])
+            keep = residual <= mads * max(float(np.median(residual)), 1e-12)
+            if keep.sum() < design.shape[1] or keep.all():
+                break
+            best = _fit_subsets(design[keep] * weight[keep, None], y[keep] * weight[keep])
         return cls(*(float(v) for v in best))
 
     @classmethod
