@@ -1,4 +1,4 @@
-"""Simulator fidelity: the real ``Pipeline`` served online in wall-clock time vs the simulator.
+"""Simulator fidelity: the real ``Pipeline`` served online vs the simulator.
 
 For each run: a tiny random Llama (hidden 256, 4 layers; 1 torch thread) is
 loaded into a ``Pipeline``; :func:`servelab.scheduling.simulator.calibrate`
@@ -6,9 +6,9 @@ fits the step-cost model to it; the simulator finds the pipeline's capacity
 (requests/s when every request arrives at once); then three held-out online
 traces (Poisson arrivals at 0.3x, 0.85x and 1.5x that capacity: light, near
 saturation, overloaded; lognormal prompts around 48 tokens and outputs around
-32) are served twice: by the real pipeline, each request added when its
-arrival time has passed, and by the simulator with the same scheduler limits,
-KV pool (blocks, block size, prefix caching, watermark) and the fitted model.
+32) are served by the real pipeline, each request added when its arrival time
+has passed, and by the simulator with the same scheduler limits, KV pool
+(blocks, block size, prefix caching, watermark) and a fitted model (below).
 
 Reported per load, real vs simulated: TTFT p50 / p90, TPOT p50, e2e p50 and
 output throughput, and the relative error of each; rows go to
@@ -21,9 +21,16 @@ machine of its own. ``cpu`` (the default) runs the same online loop on the
 process's CPU-time line (``time.thread_time`` of the one-thread pipeline,
 idle gaps skipped instead of slept): the timeline a dedicated core would show,
 without the time other processes hold the core on a shared machine (which the
-simulator cannot know about). Calibration uses the same clock, and by default
-(``--per-load``) runs again right before each load's trace: a shared machine's
-speed drifts by tens of percent over minutes, which no cost model can follow.
+simulator cannot know about). Calibration uses the same clock.
+
+A shared machine's speed also drifts, by +-25% within seconds (the same decode
+step measured again and again: 8.3 to 13.4 ms medians over a minute). So per
+load the trace is served ``--serves`` times (default 4), each serve right after
+a calibration slice (the batch grid at one prompt length, in turn); the real
+figures are the medians over the serves (their range is printed) and the
+simulator uses the model fitted to all the load's slices: both sides sample the
+same stretch of the machine's time. The initial full calibration only sets the
+capacity.
 
 Usage::
 
@@ -41,6 +48,8 @@ import time
 from pathlib import Path
 
 LOADS = (("light", 0.3), ("near_saturation", 0.85), ("overloaded", 1.5))
+SLICE_LENS = (16, 48, 160)
+"""Prompt lengths of the calibration slices, in turn (:func:`one_run`)."""
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_p50", "throughput")
 
 
@@ -139,7 +148,7 @@ def build_pipeline(root: Path):
 
 
 def one_run(run: int, args) -> list[dict]:
-    from servelab.scheduling.simulator import calibrate
+    from servelab.scheduling.simulator import StepCostModel, calibrate
 
     with tempfile.TemporaryDirectory() as tmp:
         pipe = build_pipeline(Path(tmp))
@@ -150,16 +159,22 @@ def one_run(run: int, args) -> list[dict]:
     out = []
     for k, (load, factor) in enumerate(LOADS):
         trace = make_trace(args.requests, factor * cap, pipe.vocab_size, seed=1000 * run + k)
-        if args.per_load and k:
-            # A shared machine's speed drifts by tens of percent over minutes: fit the model right
-            # before the trace it predicts (the trace stays held out; the rate keeps run's capacity).
-            cost = calibrate(pipe, seed=1000 * run + k, repeats=args.repeats, clock=CLOCKS[args.clock])
-        real = serve_real(pipe, trace, args.clock)
+        reals, rows = [], []
+        for j in range(args.serves):
+            # Calibration slices and serves alternate, seconds apart: a shared machine's speed drifts
+            # by +-25% within seconds, so both sides must sample the same stretch of it.
+            rows += calibrate(pipe, prompt_lens=(SLICE_LENS[j % len(SLICE_LENS)],), seed=1000 * run + 10 * k + j,
+                              clock=CLOCKS[args.clock], return_steps=True)[1]
+            reals.append(serve_real(pipe, trace, args.clock))
+        real = {m: statistics.median(r[m] for r in reals) for m in METRICS}
+        cost = StepCostModel.fit(rows, outlier_mads=5.0, relative=True)
         sim = serve_simulated(pipe, trace, cost)
         err = {m: (sim[m] - real[m]) / real[m] for m in METRICS}
         out.append(dict(run=run, load=load, rate=factor * cap, real=real, sim=sim, err=err, cost=cost))
+        spread = {m: (min(r[m] for r in reals), max(r[m] for r in reals)) for m in METRICS}
         print(f"  {load:<16} rate {factor * cap:6.1f}/s  " + "  ".join(
-            f"{m} {real[m]:.4g}/{sim[m]:.4g} ({100 * err[m]:+.0f}%)" for m in METRICS))
+            f"{m} {real[m]:.4g}/{sim[m]:.4g} ({100 * err[m]:+.0f}%; real {spread[m][0]:.3g}..{spread[m][1]:.3g})"
+            for m in METRICS))
     return out
 
 
@@ -170,7 +185,7 @@ def record(results: list[dict], args) -> None:
     for r in results:
         params = {"load": r["load"], "rate": round(r["rate"], 2), "run": r["run"], "requests": args.requests,
                   "threads": 1, "model": "random tiny Llama (hidden 256, 4 layers)", "policy": "fcfs",
-                  "clock": args.clock, "calibration_repeats": args.repeats, "calibrate_per_load": args.per_load}
+                  "clock": args.clock, "calibration_repeats": args.repeats, "serves": args.serves}
         for m in METRICS:
             unit = "tok/s" if m == "throughput" else "s"
             rows.append(make_row("sim_fidelity", "real", m, unit, r["real"][m], params=params))
@@ -190,8 +205,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--repeats", type=int, default=2, help="calibration grid repeats")
-    parser.add_argument("--per-load", action=argparse.BooleanOptionalAction, default=True,
-                        help="recalibrate right before each load's trace (default on)")
+    parser.add_argument("--serves", type=int, default=4,
+                        help="real serves of each trace, each after a calibration slice (median reported)")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     import torch
