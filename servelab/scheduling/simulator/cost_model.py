@@ -121,7 +121,7 @@ class StepCostModel:
         widths = (3, len(FEATURES) + 1, _ALL + 1)
         if data.ndim != 2 or data.shape[1] not in widths or len(data) < data.shape[1]:
             raise ValueError(f"steps must be >= 3 rows of (num_tokens, num_kv_tokens, seconds), >= 6 rows of "
-                             f"({', '.join(FEATURES)}, seconds) or >= 10 rows of (..., {', '.join(EXTRA_FEATURES)}, "
+                             f"({', '.join(FEATURES)}, seconds) or >= 9 rows of (..., {', '.join(EXTRA_FEATURES)}, "
                              f"seconds), got shape {data.shape}")
         if not np.all(np.isfinite(data)):
             raise ValueError("steps hold a non-finite number")
