@@ -22,12 +22,13 @@ def _out(counts: dict[str, int], computed: int = 10):
                            iter_scheduled=lambda: [(r, computed, n) for r, n in counts.items()])
 
 
-STEPS = [({"a": 5, "b": 1}, (1, 0, 0)),  # a prompt chunk: its decodes gather anyway
+STEPS = [({"a": 5, "b": 1}, (1, 1, 1)),  # a prompt chunk: its decode b is gathered afresh
          ({"a": 1, "b": 1}, (0, 1, 2)),  # first pure decode after it: restart
          ({"b": 1, "a": 1}, (0, 0, 0)),  # same requests: carried
          ({"a": 1}, (0, 1, 1)),  # b left: the batch changed
          ({"a": 1}, (0, 0, 0)),
-         ({"a": 1, "c": 3}, (1, 0, 0)),
+         ({"a": 1, "c": 3}, (1, 1, 1)),
+         ({"c": 2}, (1, 0, 0)),  # a chunk alone: nothing to gather for decodes
          ({"a": 1, "c": 1}, (0, 1, 2))]
 
 

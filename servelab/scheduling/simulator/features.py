@@ -45,12 +45,12 @@ class DecodeContinuity:
     ``"sdpa"`` backend's dense buffers): a pure decode step over the *same*
     requests as the previous pure decode step gathers nothing, any other pure
     decode step (the first after a prompt, or after a request joined or left)
-    gathers every context afresh. Called once per step, in order, with each
+    gathers every context afresh, and so do the decodes of a step that also
+    holds a multi-token chunk (such a step is planned from the paged cache and
+    ends the run of carried steps). Called once per step, in order, with each
     ``SchedulerOutput``; returns ``(decode_restarts, restarted_decode_seqs)``:
-    ``(1, n)`` for a pure decode step of ``n`` sequences that does not continue
-    the previous one, else ``(0, 0)``. A step with a multi-token chunk (its
-    decodes go through the per-step gather anyway) returns ``(0, 0)`` and ends
-    the run of decode steps.
+    ``(1, n)`` for a step whose ``n`` one-token sequences are gathered afresh,
+    ``(0, 0)`` for a carried pure decode step or a step without decodes.
     """
 
     __slots__ = ("_last",)
@@ -60,11 +60,12 @@ class DecodeContinuity:
 
     def __call__(self, out) -> tuple[int, int]:
         counts = out.num_scheduled_tokens
-        pure = bool(counts) and all(n == 1 for n in counts.values())
+        decodes = sum(1 for n in counts.values() if n == 1)
+        pure = bool(counts) and decodes == len(counts)
         key = frozenset(counts) if pure else None
-        restarted = pure and key != self._last
+        restarted = decodes > 0 and (not pure or key != self._last)
         self._last = key
-        return (1, len(counts)) if restarted else (0, 0)
+        return (1, decodes) if restarted else (0, 0)
 
     def reset(self) -> None:
         self._last = None
