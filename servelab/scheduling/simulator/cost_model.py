@@ -9,9 +9,9 @@
             + per_attn_pair_s      * prefill attention pairs   (sum over prefill chunks of n * (computed + (n+1)/2))
             + per_prefill_seq_s    * prefill sequences         (sequences of a multi-token chunk: one padded
                                                                  attention problem and mask each)
-            + per_decode_restart_s * decode restarts           (1 for a pure decode step that does not continue
-                                                                 the previous one: carried decode state rebuilt)
-            + per_restarted_seq_s  * restarted decode seqs     (the sequences of such a step)
+            + per_decode_restart_s * decode restarts           (1 for a step whose decodes are not carried over
+                                                                 from the previous step: K/V gathered afresh)
+            + per_restarted_seq_s  * restarted decode seqs     (the decodes of such a step)
 
 ``base_s`` is the per-step floor (reading the weights once, launch and Python
 overhead). The three original coefficients keep their meaning and defaults
