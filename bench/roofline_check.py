@@ -1,16 +1,20 @@
 """Does the roofline predict the real pipeline's step times on this CPU? And what does it say for GPUs?
 
-1. Measure this machine (1 thread), ``bench/gemm_limit.py``-style: SmolLM2-135M's own GEMMs alone
-   (every weight once) at 1 token give the weight-streaming bandwidth and at 256 tokens the fp32
-   FLOP rate; the pipeline's fixed host time per step and per sequence comes from ``calibrate`` on a
-   30-layer, 64-wide model (same layer count, negligible GEMMs). These are the ``cpu-measured``
-   entry of ``hardware.json``.
+1. Measure this machine (1 thread) by microbenchmarks, never from SmolLM2's own step times:
+   SmolLM2-135M's decoder GEMMs alone (``F.linear`` over every fused weight once, as the pipeline
+   calls them) at 1, 2, 4, ... 256 rows give the achievable rate per shape class (the best is
+   ``peak_flops``, each class's share the ``gemm_efficiency_curve``; a few rows reach far less than
+   their weight-streaming time says) and at 1 row the weight-streaming bandwidth; the pipeline's
+   fixed host time per step and per sequence comes from carried decode steps at batch 1 and 16 of
+   a 30-layer model 64 wide (SmolLM2's layer count: the per-layer launches; negligible GEMMs).
+   These are the ``cpu-measured`` entry of ``hardware.json``.
 2. Serve SmolLM2-135M (the real checkpoint when fetched, else random weights of its shape) through
    the ``Pipeline`` at 1 thread: decode steps at batch 1, 4 and 16 and prefill steps of 64 and 256
    tokens, median step time of each; predict each with the roofline built from step 1's numbers.
    Target: within 25%.
 3. The roofline's Llama-3.1-8B decode throughput (batch 1 and 64, 1k context) on every GPU of the
-   table, for the record.
+   table, for the record, and its prediction for each published serving measurement the table
+   lists (``hardware.json``'s ``_published``, each with its source): predicted vs published rows.
 
 Every time is the CPU time of this one-thread process (``time.thread_time``), not wall time: on a shared
 machine the wall clock also counts other processes. Rows go to ``bench/results/results.csv`` (component
@@ -46,49 +50,82 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""The shape classes the GEMM microbenchmark measures (rows of the activation)."""
+
+
 def smollm2_weights():
-    """Random fp32 weight matrices with SmolLM2-135M's linear shapes (30 layers + the LM head)."""
+    """Random fp32 weights ``[out, in]`` with the pipeline's SmolLM2-135M linear shapes: per layer
+    the fused QKV, O, fused gate-up and down projections (30 layers), then the LM head."""
     import torch
 
     h, kv, inter = 576, 192, 1536
-    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
-    return [torch.randn(*shape) for _ in range(30) for shape in layer] + [torch.randn(h, 49152)]
+    layer = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)]
+    return [torch.randn(*shape) for _ in range(30) for shape in layer], torch.randn(49152, h)
 
 
-def gemm_only_step(weights, tokens: int) -> float:
-    """CPU seconds of one step's GEMMs alone (every weight once, ``tokens`` rows; median of 5)."""
+def gemm_only_step(weights, tokens: int, repeats: int = 5) -> float:
+    """CPU seconds of ``F.linear`` (the pipeline's call) over every weight once on ``tokens`` rows
+    (median of ``repeats``)."""
     import torch
+    import torch.nn.functional as F
 
-    xs = {w.shape[0]: torch.randn(tokens, w.shape[0]) for w in weights}
+    xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for w in weights}
     times = []
-    for _ in range(5):
-        t = CLOCK()
-        for w in weights:
-            torch.mm(xs[w.shape[0]], w)
-        times.append(CLOCK() - t)
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t = CLOCK()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            times.append(CLOCK() - t)
     return statistics.median(times)
 
 
-def measure_machine(tmp: Path) -> dict:
-    """The ``cpu-measured`` numbers, gemm_limit-style: the model's own GEMMs alone give the achievable
-    weight-streaming bandwidth (1 token) and FLOP rate (256 tokens); a 30-layer, 64-wide model (the
-    same number of layers, negligible GEMMs) gives the pipeline's host time per step and sequence."""
+def measure_gemms() -> dict:
+    """Achievable GEMM rate per shape class: the decoder layers' GEMMs alone at each of
+    :data:`GEMM_ROWS` rows. The best rate is ``peak_flops``, each class's share of it the
+    ``gemm_efficiency_curve``; the 1-row time gives the weight-streaming bandwidth."""
+    layers, _ = smollm2_weights()
+    params = sum(w.numel() for w in layers)
+    gemm_only_step(layers, 1, repeats=2)  # warm-up
+    rates = {m: 2 * params * m / gemm_only_step(layers, m) for m in GEMM_ROWS}
+    peak = max(rates.values())
+    return dict(peak_flops=peak, mem_bw=4 * params * rates[1] / (2 * params),
+                gemm_efficiency_curve=tuple((m, r / peak) for m, r in rates.items()))
+
+
+def measure_overheads(tmp: Path) -> dict:
+    """The pipeline's host time per step and per sequence, on a 30-layer model 64 wide with a
+    512-token vocabulary (SmolLM2's layer count, negligible GEMMs and attention): carried decode steps
+    at batch 1 and 16 (median of each), a straight line through the two."""
     from servelab import Pipeline
     from servelab.models import build_tiny_model
-    from servelab.scheduling.simulator import calibrate
 
-    weights = smollm2_weights()
-    num_bytes = sum(w.numel() for w in weights) * 4
-    num_params = sum(w.numel() for w in weights)
-    bw = num_bytes / gemm_only_step(weights, 1)
-    flops = 2 * num_params * 256 / gemm_only_step(weights, 256)
-    del weights
     path = build_tiny_model(tmp / "probe", arch="llama", seed=0, hidden_size=64, intermediate_size=128,
                             num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2)
     pipe = Pipeline.from_pretrained(path, attention_backend="auto", max_num_seqs=16, max_num_batched_tokens=512,
                                     max_model_len=512)
-    cost = calibrate(pipe, batch_sizes=(1, 4, 16), prompt_lens=(8, 32), max_tokens=8, clock=CLOCK)
-    return dict(peak_flops=flops, mem_bw=bw, step_overhead_s=cost.base_s, seq_overhead_s=cost.per_seq_s)
+    t1, t16 = (statistics.median(r[-1] for r in decode_rows(pipe, b, 32, 24)) for b in (1, 16))
+    return dict(step_overhead_s=t1, seq_overhead_s=max(t16 - t1, 0.0) / 15)
+
+
+def decode_rows(pipe, batch: int, prompt_len: int, max_tokens: int) -> list[tuple]:
+    """Carried pure decode steps of ``batch`` sequences (the first decode after the prompts left out)."""
+    import random
+
+    from servelab.scheduling.simulator import measure_steps
+
+    rng = random.Random(batch)
+    vocab = pipe.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    measure_steps(pipe, prompts[:1], 2, clock=CLOCK)  # warm-up
+    rows = measure_steps(pipe, prompts, max_tokens, clock=CLOCK)
+    return [r for r in rows if r[3] == 0 and r[2] == batch and r[6] == 0]
+
+
+def measure_machine(tmp: Path) -> dict:
+    """The ``cpu-measured`` numbers: :func:`measure_gemms` and :func:`measure_overheads`."""
+    return {**measure_gemms(), **measure_overheads(tmp)}
 
 
 def measure_smollm2(tmp: Path) -> tuple[list[dict], str]:
@@ -103,17 +140,10 @@ def measure_smollm2(tmp: Path) -> tuple[list[dict], str]:
     pipe = Pipeline.from_pretrained(path, attention_backend="auto", max_num_seqs=16, max_num_batched_tokens=512,
                                     max_model_len=1024)
     rng = random.Random(0)
-
-    def prompts(n, k):
-        return [[rng.randrange(3, 30000) for _ in range(k)] for _ in range(n)]
-
-    measure_steps(pipe, prompts(2, 32), 4, clock=CLOCK)  # warm-up
-    cases = []
-    for b in (1, 4, 16):
-        rows = [r for r in measure_steps(pipe, prompts(b, 64), 12, clock=CLOCK) if r[3] == 0 and r[2] == b]
-        cases.append(dict(kind="decode", size=b, rows=rows))
+    cases = [dict(kind="decode", size=b, rows=decode_rows(pipe, b, 64, 10)) for b in (1, 4, 16)]
     for n in (64, 256):
-        rows = [r for _ in range(3) for r in measure_steps(pipe, prompts(1, n), 1, clock=CLOCK) if r[3] > 0]
+        prompts = [[rng.randrange(3, 30000) for _ in range(n)] for _ in range(3)]
+        rows = [r for p in prompts for r in measure_steps(pipe, [p], 1, clock=CLOCK) if r[3] > 0]
         cases.append(dict(kind="prefill", size=n, rows=rows))
     return cases, what
 
@@ -129,14 +159,14 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         machine = measure_machine(Path(tmp))
-        print("measured:", {k: f"{v:.4g}" for k, v in machine.items()})
+        print("measured:", {k: v if isinstance(v, tuple) else f"{v:.4g}" for k, v in machine.items()})
         cases, what = measure_smollm2(Path(tmp))
     cpu = dataclasses.replace(hardware_table()["cpu-measured"], **machine)
     model = RooflineCostModel(cpu, MODEL_PRESETS["smollm2-135m"])
     out, worst = [], 0.0
     for case in cases:
         real = statistics.median(r[-1] for r in case["rows"])
-        feats = case["rows"][len(case["rows"]) // 2][:-1]
+        feats = case["rows"][len(case["rows"]) // 2][:5]
         pred = model.step_time(*feats)
         err = (pred - real) / real
         worst = max(worst, abs(err))
@@ -151,16 +181,38 @@ def main() -> int:
         m = RooflineCostModel(hw, MODEL_PRESETS["llama-3.1-8b"])
         gpus.append((name, m.decode_throughput(1, 1024), m.decode_throughput(64, 1024)))
         print(f"{name:<10} Llama-3.1-8B decode: batch 1 {gpus[-1][1]:7.0f} tok/s, batch 64 {gpus[-1][2]:7.0f} tok/s")
+    published = compare_published()
     if not args.no_record:
-        record(machine, out, worst, gpus, what)
+        record(machine, out, worst, gpus, what, published)
     return 0
 
 
-def record(machine, out, worst, gpus, what) -> None:
+def compare_published() -> list[tuple[dict, float, float]]:
+    """``(figure, predicted, relative error)`` for each published GPU figure of the table."""
+    from servelab.scheduling.simulator import roofline_cost_model
+    from servelab.scheduling.simulator.hardware import published_figures
+
+    out = []
+    for fig in published_figures():
+        model = roofline_cost_model(fig["hardware"], fig["model"], dtype=fig["dtype"])
+        b, ctx = fig["batch"], fig["context"]
+        tok_s = model.decode_throughput(b, ctx)
+        pred = b / tok_s if fig["metric"] == "tpot_p50_s" else tok_s
+        out.append((fig, pred, (pred - fig["value"]) / fig["value"]))
+        print(f"{fig['hardware']:<10} {fig['model']} batch {b} ctx {ctx}: {fig['metric']} roofline {pred:.4g}, "
+              f"published {fig['value']:.4g} ({100 * out[-1][2]:+.1f}%)")
+    return out
+
+
+def record(machine, out, worst, gpus, what, published) -> None:
     from results_io import append_rows, make_row
 
-    rows = [make_row("roofline", "cpu-measured", k, "FLOP/s" if k == "peak_flops" else "B/s" if k == "mem_bw" else "s",
-                     v, params={"threads": 1, "clock": "thread_time"}) for k, v in machine.items()]
+    units = {"peak_flops": "FLOP/s", "mem_bw": "B/s", "step_overhead_s": "s", "seq_overhead_s": "s"}
+    rows = [make_row("roofline", "cpu-measured", k, unit, machine[k], params={"threads": 1, "clock": "thread_time"})
+            for k, unit in units.items()]
+    rows += [make_row("roofline", "cpu-measured", "gemm_efficiency", "fraction", eff,
+                      params={"rows": m, "threads": 1, "clock": "thread_time"})
+             for m, eff in machine["gemm_efficiency_curve"]]
     for case, real, pred, err in out:
         params = {"model": what, "step": case["kind"], "size": case["size"], "threads": 1, "clock": "thread_time"}
         rows.append(make_row("roofline", "real", "step_time", "s", real, params=params))
@@ -171,6 +223,13 @@ def record(machine, out, worst, gpus, what) -> None:
         params = {"model": "llama-3.1-8b bf16", "context": 1024, "hardware": name}
         rows.append(make_row("roofline", name, "decode_tok_s_batch1", "tok/s", b1, params=params, device=name))
         rows.append(make_row("roofline", name, "decode_tok_s_batch64", "tok/s", b64, params=params, device=name))
+    for fig, pred, err in published:
+        params = {k: fig[k] for k in ("model", "dtype", "batch", "context", "source")}
+        unit = "s" if fig["metric"] == "tpot_p50_s" else "tok/s"
+        dev = fig["hardware"]
+        rows.append(make_row("roofline", "published", fig["metric"], unit, fig["value"], params=params, device=dev))
+        rows.append(make_row("roofline", dev, fig["metric"], unit, pred, params=params, device=dev))
+        rows.append(make_row("roofline", "error", fig["metric"], "%", 100 * err, params=params, device=dev))
     print(f"rows appended to {append_rows(rows)}")
 
 

@@ -8,14 +8,20 @@ One step of ``T`` tokens over ``S`` sequences reading ``K`` KV positions (and
     + max(attn FLOPs / (peak_flops * attn_eff),  KV bytes / (mem_bw * bw_eff))           attention
 
 - GEMM FLOPs = 2 * (linear parameters) * T + 2 * hidden * vocab * S (one logits row per sequence);
-  the weights are read once per step.
+  the weights are read once per step. With a ``gemm_efficiency_curve`` (``[[rows, efficiency],
+  ...]``, measured per shape class: a GEMM of a few rows reaches far less of peak than a big one,
+  on a CPU even less than its weight-streaming time says) the decoder layers' GEMMs use the
+  efficiency at ``T`` rows and the LM head its own at ``S`` rows, each under its own roofline,
+  interpolated in log(rows) between the measured classes and held beyond them.
 - attention FLOPs = 4 * layers * heads * head_dim * (Q + decode reads); KV bytes = K * 2 * layers *
   kv_heads * head_dim * dtype bytes (every position a sequence attends to is read once per step).
 
 The hardware table (``hardware.json`` beside this module) gives peak dense
 FLOP/s, memory bandwidth, efficiency per op group and per-step / per-sequence
-overheads for A100-80GB, H100-SXM, H200, L40S, MI300X and ``cpu-measured``
-(this machine, one thread), each number with its source.
+overheads for A100-80GB, A100-40GB, H100-SXM, H200, L40S, MI300X and ``cpu-measured``
+(this machine, one thread), each number with its source; ``_published`` holds the
+published serving measurements the GPU entries are compared with (:func:`published_figures`,
+``bench/roofline_check.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +51,20 @@ class Hardware:
     step_overhead_s: float
     seq_overhead_s: float
     sources: dict
+    gemm_efficiency_curve: tuple | None = None
+
+    def gemm_efficiency_at(self, rows: int) -> float:
+        """The fraction of ``peak_flops`` a GEMM of ``rows`` rows reaches (``gemm_efficiency`` without a curve)."""
+        curve = self.gemm_efficiency_curve
+        if not curve:
+            return self.gemm_efficiency
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (r0, e0), (r1, e1) in zip(curve, curve[1:]):
+            if rows <= r1:
+                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return e0 + w * (e1 - e0)
+        return curve[-1][1]
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -54,6 +74,14 @@ class Hardware:
         for name in ("peak_flops", "mem_bw", "gemm_efficiency", "attention_efficiency", "bandwidth_efficiency"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware {self.name!r}: {name} must be > 0")
+        curve = self.gemm_efficiency_curve
+        if curve is not None:
+            points = [tuple(p) for p in curve] if isinstance(curve, (list, tuple)) else None
+            if not points or any(len(p) != 2 or not all(isinstance(v, (int, float)) and v > 0 for v in p)
+                                 for p in points) or any(a[0] >= b[0] for a, b in zip(points, points[1:])):
+                raise ValueError(f"Hardware {self.name!r}: gemm_efficiency_curve={curve!r}; valid: None or "
+                                 f"[[rows, efficiency], ...] with rows increasing and every number > 0")
+            object.__setattr__(self, "gemm_efficiency_curve", tuple(points))
 
 
 def hardware_table() -> dict[str, Hardware]:
@@ -61,6 +89,14 @@ def hardware_table() -> dict[str, Hardware]:
     text = (resources.files("servelab.scheduling.simulator") / "hardware.json").read_text()
     raw = json.loads(text)
     return {name: Hardware(name=name, **entry) for name, entry in raw.items() if not name.startswith("_")}
+
+
+def published_figures() -> list[dict]:
+    """Published measurements the table's GPU entries are checked against (``hardware.json``'s
+    ``_published``): each names its ``hardware``, ``model`` (a preset), ``dtype``, ``batch``,
+    ``context``, ``metric`` (``tpot_p50_s`` or ``decode_tok_s``), ``value`` and ``source``."""
+    text = (resources.files("servelab.scheduling.simulator") / "hardware.json").read_text()
+    return list(json.loads(text).get("_published", []))
 
 
 def get_hardware(hardware: str | Hardware) -> Hardware:
@@ -164,9 +200,15 @@ class RooflineCostModel:
         flops = hw.peak_flops * tp
         bw = hw.mem_bw * hw.bandwidth_efficiency * tp
         lm_head = m.hidden_size * m.vocab_size
-        gemm_flops = 2.0 * m.linear_params * num_tokens + 2.0 * lm_head * seqs
-        weight_bytes = (m.linear_params + lm_head) * m.dtype_bytes
-        gemm = max(gemm_flops / (flops * hw.gemm_efficiency), weight_bytes / bw) if num_tokens else 0.0
+        if not num_tokens:
+            gemm = 0.0
+        elif hw.gemm_efficiency_curve:  # layers at T rows and the LM head at S rows, each on its own roofline
+            layers = 2.0 * m.linear_params * num_tokens / (flops * hw.gemm_efficiency_at(num_tokens))
+            head = 2.0 * lm_head * seqs / (flops * hw.gemm_efficiency_at(seqs))
+            gemm = max(layers, m.linear_params * m.dtype_bytes / bw) + max(head, lm_head * m.dtype_bytes / bw)
+        else:
+            gemm_flops = 2.0 * m.linear_params * num_tokens + 2.0 * lm_head * seqs
+            gemm = max(gemm_flops / (flops * hw.gemm_efficiency), (m.linear_params + lm_head) * m.dtype_bytes / bw)
         decode_reads = max(num_kv_tokens - num_prefill_tokens, 0)
         attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * (attn_pairs + decode_reads)
         attention = max(attn_flops / (flops * hw.attention_efficiency), num_kv_tokens * m.kv_bytes_per_token / bw)
