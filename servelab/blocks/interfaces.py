@@ -247,18 +247,18 @@ class KVCacheManagerProtocol(Protocol):
         """Fraction of usable blocks held by requests, in [0, 1]."""
         ...
 
-    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[Sequence[Any], int]:
-        """Longest cached prefix of a request being admitted: its blocks (not
-        yet referenced) and length in tokens, a multiple of ``block_size``
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[tuple[Sequence[Any], ...], int]:
+        """Longest cached prefix of a request being admitted: its blocks per
+        KV-cache group (a tuple with one list per group, a 1-tuple for a
+        single-group manager: the shape ``allocate_slots`` returns; not yet
+        referenced) and its length in tokens, a multiple of ``block_size``
         and at most ``num_tokens - 1`` (the last token is always computed:
-        its logits are the point). No side effect; nothing hit with caching off.
-        The blocks are the manager's own hit handle (a list for a single-group
-        manager, one list per group for the hybrid one): pass them unchanged
-        to ``allocate_slots``."""
+        its logits are the point). No side effect; nothing hit (empty lists,
+        0) with caching off. Pass the blocks unchanged to ``allocate_slots``."""
         ...
 
     def allocate_slots(self, request: KVCacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[Any] | None = None,
+                       new_computed_blocks: tuple[Sequence[Any], ...] | None = None,
                        num_lookahead_tokens: int = 0) -> tuple[list[Any], ...] | None:
         """Hold slots for ``request.num_computed_tokens + num_new_computed_tokens
         + num_new_tokens + num_lookahead_tokens`` tokens (clipped at

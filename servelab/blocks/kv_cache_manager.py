@@ -241,16 +241,17 @@ class KVCacheManager(KVEventSource):
         request_id = request if isinstance(request, str) else request.request_id
         return ([b.block_id for b in self.req_to_blocks.get(request_id, ())],)
 
-    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of ``request``: its blocks (not yet
-        referenced: pass them to ``allocate_slots``) and its length in tokens.
-        No side effect (stats are counted when ``allocate_slots`` admits)."""
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[tuple[list[KVCacheBlock]], int]:
+        """Longest cached prefix of ``request``: its blocks per KV-cache group
+        (``([block, ...],)``: one group; not yet referenced: pass them to
+        ``allocate_slots``) and its length in tokens. No side effect (stats are
+        counted when ``allocate_slots`` admits)."""
         _request_id(request)
         if not self.enable_caching:
-            return [], 0
+            return ([],), 0
         num_tokens = check_int("request.num_tokens", request.num_tokens, min_value=0)
         blocks = self._manager.find_longest_cache_hit(request.block_hashes, max(num_tokens - 1, 0))
-        return blocks, len(blocks) * self.block_size
+        return (blocks,), len(blocks) * self.block_size
 
     # ---- allocation --------------------------------------------------------
 
@@ -259,7 +260,7 @@ class KVCacheManager(KVEventSource):
         request: KVCacheRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] | None = None,
         num_lookahead_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock]] | None:
         """Hold blocks for ``request.num_computed_tokens + num_new_computed_tokens
@@ -285,7 +286,7 @@ class KVCacheManager(KVEventSource):
             check_int("num_new_computed_tokens", num_new_computed_tokens, min_value=0)
         if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             check_int("num_lookahead_tokens", num_lookahead_tokens, min_value=0)
-        if not num_new_computed_tokens and not new_computed_blocks and not self._manager.releases_blocks:
+        if not num_new_computed_tokens and new_computed_blocks is None and not self._manager.releases_blocks:
             # Fast path (most decode steps): the held blocks already have every slot.
             held = self.req_to_blocks.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
             computed = getattr(request, "num_computed_tokens", None)
@@ -329,8 +330,15 @@ class KVCacheManager(KVEventSource):
         return (new_blocks,)
 
     def _check_hit(self, request_id: str, held: list[KVCacheBlock] | None, num_new_computed_tokens: int,
-                   new_computed_blocks: Sequence[KVCacheBlock] | None) -> list[KVCacheBlock]:
-        hit = list(new_computed_blocks) if new_computed_blocks else []
+                   new_computed_blocks: tuple[Sequence[KVCacheBlock], ...] | None) -> list[KVCacheBlock]:
+        if new_computed_blocks is None:
+            hit = []
+        elif type(new_computed_blocks) is tuple and len(new_computed_blocks) == 1:
+            hit = list(new_computed_blocks[0])
+        else:
+            raise TypeError(f"new_computed_blocks must be None or a per-group tuple with this manager's one "
+                            f"group, ([block, ...],), as get_computed_blocks returns; got a "
+                            f"{type(new_computed_blocks).__name__}")
         if len(hit) * self.block_size != num_new_computed_tokens:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens} must equal "

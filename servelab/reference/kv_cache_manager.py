@@ -107,9 +107,10 @@ class KVCacheManager:
             return range(max(0, num_blocks - needed), num_blocks)
         return range(num_blocks)
 
-    def get_computed_blocks(self, request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request) -> tuple[tuple[list[int]], int]:
+        """The longest hit, per group (one group: ``([id, ...],)``), and its tokens."""
         if not self.enable_caching:
-            return [], 0
+            return ([],), 0
         hashes = request.block_hashes
         longest = min(max(request.num_tokens - 1, 0) // self.block_size, len(hashes))
         for num_blocks in range(longest, -1, -1):
@@ -117,8 +118,8 @@ class KVCacheManager:
             if all(self._pool.get_cached_block(hashes[i]) is not None for i in visible):
                 blocks = [self._pool.get_cached_block(hashes[i]) if i in visible else NULL_BLOCK_ID
                           for i in range(num_blocks)]
-                return blocks, num_blocks * self.block_size
-        return [], 0  # unreachable: zero blocks are always a valid hit
+                return (blocks,), num_blocks * self.block_size
+        return ([],), 0  # unreachable: zero blocks are always a valid hit
 
     def _dead(self, block_index: int, num_computed_tokens: int) -> bool:
         if not isinstance(self.spec, SlidingWindowSpec):
@@ -128,14 +129,17 @@ class KVCacheManager:
         return last_token_in_block < oldest_visible
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[int] | None = None,
+                       new_computed_blocks: tuple[Sequence[int]] | None = None,
                        num_lookahead_tokens: int = 0) -> tuple[list[int]] | None:
         for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
                             ("num_lookahead_tokens", num_lookahead_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
         rid = request.request_id
-        hit = list(new_computed_blocks or [])
+        if new_computed_blocks is not None and (type(new_computed_blocks) is not tuple
+                                                or len(new_computed_blocks) != 1):
+            raise TypeError("new_computed_blocks must be None or ([id, ...],), as get_computed_blocks returns")
+        hit = list(new_computed_blocks[0]) if new_computed_blocks else []
         if len(hit) * self.block_size != num_new_computed_tokens:
             raise ValueError("num_new_computed_tokens must equal len(new_computed_blocks) * block_size")
         held = self.req_to_blocks.get(rid)

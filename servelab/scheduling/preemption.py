@@ -70,7 +70,7 @@ class Preemption(RequestTransitions):
             if new_blocks is not None:
                 return new_blocks, i, n
 
-    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: Sequence[Any] | None = None
+    def _allocate_alone(self, req: Request, n: int, num_hit: int = 0, hit_blocks: tuple[Sequence[Any], ...] | None = None
                         ) -> tuple[tuple[list[Any], ...] | None, int]:
         """``req`` has the pool to itself and ``n`` tokens find no room: a manager
         with ``max_chunk_alone`` (the hybrid one: sliding windows need only the

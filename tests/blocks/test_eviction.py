@@ -242,7 +242,7 @@ def test_allocate_slots_validates_everything_first():
     before = state(mgr.block_pool), dict(mgr.req_to_blocks), mgr.prefix_cache_stats.requests
     other = BlockPool(8)
     with pytest.raises(ValueError, match="another pool"):
-        mgr.allocate_slots(b, 1, n, other.get_new_blocks(2))
+        mgr.allocate_slots(b, 1, n, (other.get_new_blocks(2),))
     with pytest.raises(ValueError, match="over max_model_len=16"):
         mgr.allocate_slots(b, 17 - n, n, hit)
     with pytest.raises(TypeError, match="num_lookahead_tokens"):

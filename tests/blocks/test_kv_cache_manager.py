@@ -90,7 +90,7 @@ def test_sliding_window_returns_out_of_window_blocks():
     # needing only the last window-1 tokens' blocks.
     b = seq("b", 13)
     blocks, hit = mgr.get_computed_blocks(b)
-    assert hit == 12 and [x.block_id for x in blocks] == [0, 0, 3]
+    assert hit == 12 and [x.block_id for x in blocks[0]] == [0, 0, 3]
 
 
 def test_mla_and_mamba():
@@ -137,7 +137,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="num_lookahead_tokens"):
         mgr.allocate_slots(a, 1, num_lookahead_tokens=1.5)
     with pytest.raises(ValueError, match="num_new_computed_tokens=3"):
-        mgr.allocate_slots(a, 1, 3, [])
+        mgr.allocate_slots(a, 1, 3, ([],))
+    with pytest.raises(TypeError, match=r"new_computed_blocks must be None or a per-group tuple .* got a list"):
+        mgr.allocate_slots(a, 1, 0, [])  # a bare list: the hit of one group goes in a 1-tuple
     with pytest.raises(ValueError, match="over max_model_len=8"):
         mgr.allocate_slots(a, 9)
     mgr.allocate_slots(a, 8, num_lookahead_tokens=4)  # lookahead is clipped at max_model_len

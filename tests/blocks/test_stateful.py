@@ -205,8 +205,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def _allocate(self, req, num_new, hit_ids=(), lookahead=0):
         fast_hit = [self.fast.block_pool.blocks[i] for i in hit_ids]
         n_hit = len(hit_ids) * self.block_size
-        fast = self.fast.allocate_slots(req, num_new, n_hit, fast_hit, lookahead)
-        ref = self.ref.allocate_slots(req, num_new, n_hit, list(hit_ids), lookahead)
+        fast = self.fast.allocate_slots(req, num_new, n_hit, (fast_hit,) if hit_ids else None, lookahead)
+        ref = self.ref.allocate_slots(req, num_new, n_hit, (list(hit_ids),) if hit_ids else None, lookahead)
         assert (None if fast is None else tuple([b.block_id for b in g] for g in fast)) == ref  # one list per group
         return ref is not None
 
@@ -228,10 +228,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.waiting))
         fast_blocks, fast_hit = self.fast.get_computed_blocks(req)
         ref_blocks, ref_hit = self.ref.get_computed_blocks(req)
-        assert [b.block_id for b in fast_blocks] == ref_blocks and fast_hit == ref_hit
+        assert type(fast_blocks) is tuple and len(fast_blocks) == 1 and type(ref_blocks) is tuple
+        assert [b.block_id for b in fast_blocks[0]] == ref_blocks[0] and fast_hit == ref_hit
         assert fast_hit <= req.num_tokens - 1, "the last token is always recomputed"
         num_new = min(chunk, req.num_tokens - fast_hit)
-        if self._allocate(req, num_new, ref_blocks):
+        if self._allocate(req, num_new, ref_blocks[0]):
             req.num_computed_tokens = fast_hit + num_new
             self.waiting.remove(req)
             self.running.append(req)
