@@ -237,6 +237,7 @@ def test_generated_prompts_are_compact_and_read_like_lists():
     assert isinstance(p, PrefixedTokens)
     as_list = list(p)
     assert len(p) == len(as_list) and p == as_list and all(type(t) is int for t in as_list)
+    assert all(a is b for a, b in zip(as_list, list(p))), "live prompts share one int object per id"
     assert [p[i] for i in range(len(p))] == as_list and p[-1] == as_list[-1] and p[2:11] == as_list[2:11]
     with pytest.raises(IndexError):
         p[len(p)]
