@@ -120,6 +120,7 @@ class ConnectorStates:
         req.num_computed_tokens = num_hit
         self._waiting_remote[rid] = req
         self.num_external_hit_tokens += num_ext
+        self._drop_out_of_window(req, num_hit + num_ext)
         self.kv_connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req), num_ext)
 
     def _after_sync_alloc(self, req: Request, num_hit: int, num_ext: int) -> None:
@@ -127,7 +128,22 @@ class ConnectorStates:
         self._remote_plan[req.request_id] = (req.status, num_hit, num_ext, False)
         self.num_external_hit_tokens += num_ext
         req.num_computed_tokens = num_hit  # the external tokens follow the local hit (then _admit)
+        self._drop_out_of_window(req, num_hit + num_ext)
         self.kv_connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req), num_ext)
+
+    def _drop_out_of_window(self, req: Request, num_tokens: int) -> None:
+        """Release the sliding-window blocks a prefix of ``num_tokens`` does not read (hybrid
+        managers; see :mod:`servelab.connectors.windows`): the connector loads only the window
+        blocks, so the others hold no KV and must never be committed. The manager releases
+        exactly those when asked for no new token at ``num_computed_tokens = num_tokens``."""
+        if getattr(self.kv_cache_manager, "groups", None) is None:
+            return
+        computed = req.num_computed_tokens
+        req.num_computed_tokens = num_tokens
+        try:
+            self.kv_cache_manager.allocate_slots(req, 0)
+        finally:
+            req.num_computed_tokens = computed
 
     # ---- the worker's reports ----------------------------------------------------------
 

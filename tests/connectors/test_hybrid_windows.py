@@ -1,0 +1,105 @@
+"""Sliding-window groups move only their window's blocks (:mod:`servelab.connectors.windows`):
+the ``offload`` connector stores fewer blocks for the tiny Gemma 2's sliding groups than for
+its full groups, and ``pd`` hands over per-group KV, window blocks only for sliding groups;
+greedy outputs stay token for token those of a pipeline without a connector, with hits
+really served from the tier / the transfer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from connector_helpers import one_by_one
+
+from servelab import Pipeline, SamplingParams
+from servelab.blocks.specs import SlidingWindowSpec
+from servelab.connectors.channels import DirectoryChannel, InProcessChannel
+from servelab.connectors.offload import OffloadConnector
+from servelab.connectors.pd import PDConnector, disaggregated_generate
+from servelab.connectors.windows import GroupView, longest_servable
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+KW = dict(block_size=4, num_blocks=40, enable_prefix_caching=True, max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def conversations(tiny_gemma2):
+    """Three 3-turn conversations (each turn: the previous prompt, its greedy answer and 3
+    new tokens) interleaved, then every first prompt again: hits at the save points."""
+    base = Pipeline(tiny_gemma2, **KW)
+    rng = random.Random(3)
+    turns = [[[1] + [rng.randrange(3, 90) for _ in range(29 + c)]] for c in range(3)]
+    with torch.inference_mode():
+        for _ in range(2):
+            for conv in turns:
+                out = base.generate([conv[-1]], GREEDY)[0]
+                conv.append(conv[-1] + list(out.token_ids) + [rng.randrange(3, 90) for _ in range(3)])
+    prompts = [conv[k] for k in range(3) for conv in turns]
+    return prompts + [conv[0] for conv in turns]
+
+
+def _idle(pipe):
+    assert pipe.kv_cache_manager.num_free_blocks == pipe.num_blocks - 1, "leaked blocks"
+    assert not pipe.scheduler.has_pending_kv_transfers()
+
+
+def _sliding(pipe):
+    return [g for g, group in enumerate(pipe.kv_cache_manager.groups) if isinstance(group.spec, SlidingWindowSpec)]
+
+
+def test_group_view_needs_the_window_only():
+    full, sliding = GroupView(4), GroupView(4, window_blocks=2)  # window 6: ceil(5 / 4) = 2 blocks
+    assert full.needed(8, 24) == range(2, 6) and sliding.needed(8, 24) == range(4, 6)
+    assert sliding.needed(20, 24) == range(5, 6) and sliding.needed(0, 4) == range(0, 1)
+    hashes = [[b"f%d" % i for i in range(8)], [b"s%d" % i for i in range(8)]]
+    store = {*hashes[0][:7], b"s1", b"s2", b"s4", b"s5"}
+    # full serves up to 28 tokens; the sliding window is there for 24 (blocks 4, 5) and 12 (1, 2)
+    assert longest_servable([full, sliding], hashes, store.__contains__, 0, 31, 4) == 24
+    store.discard(b"s5")
+    assert longest_servable([full, sliding], hashes, store.__contains__, 0, 31, 4) == 12
+    assert longest_servable([full, sliding], hashes, store.__contains__, 12, 31, 4) == 12  # nothing past 12
+
+
+@pytest.mark.parametrize("save,async_load", [("all", True), ("evicted", True), ("all", False)])
+def test_offload_stores_only_the_window_of_sliding_groups(tiny_gemma2, conversations, save, async_load):
+    want = one_by_one(Pipeline(tiny_gemma2, **KW), conversations, GREEDY)
+    conn = OffloadConnector(cpu_blocks=256, save=save, async_load=async_load)
+    pipe = Pipeline(tiny_gemma2, kv_connector=conn, **KW)
+    assert one_by_one(pipe, conversations, GREEDY) == want
+    stats = conn.stats()
+    sliding = _sliding(pipe)
+    full = [g for g in range(len(conn._views)) if g not in sliding]
+    assert sliding and full
+    stored = stats["group_stored_blocks"]
+    assert max(stored[g] for g in sliding) < min(stored[g] for g in full), stats
+    assert max(stats["group_stored_bytes"][g] for g in sliding) < min(stats["group_stored_bytes"][g] for g in full)
+    # hits came from the tier, for every group (sliding ones: their window blocks)
+    assert stats["failed_loads"] == 0 and pipe.scheduler.num_external_hit_tokens > 0
+    assert all(stats["group_loaded_blocks"][g] > 0 for g in range(len(conn._views))), stats
+    _idle(pipe)
+    conn.shutdown()
+
+
+@pytest.mark.parametrize("async_load", [True, False])
+def test_unloaded_sliding_blocks_are_never_committed(tiny_gemma2, async_load):
+    """A load of 40 tokens fills only blocks 8, 9 of a sliding group; its blocks 0..7 hold
+    noise and must not become findable: a later 13-token prefix of the same prompt would
+    read them as a local hit (blocks 1, 2) and answer wrongly."""
+    rng = random.Random(7)
+    prompt = [1] + [rng.randrange(3, 90) for _ in range(40)]
+    other = [1] + [rng.randrange(3, 90) for _ in range(5)]
+    base = Pipeline(tiny_gemma2, **KW)
+    want = one_by_one(base, [prompt, prompt[:13]], GREEDY)
+    conn = OffloadConnector(cpu_blocks=256, save="all", async_load=async_load)
+    pipe = Pipeline(tiny_gemma2, kv_connector=conn, **KW)
+    assert one_by_one(pipe, [prompt, other], GREEDY)[0] == want[0]  # `other`'s step copied prompt's blocks out
+    assert pipe.kv_cache_manager.reset_prefix_cache()
+    with torch.no_grad():
+        for layer in pipe.kv_caches.views:  # every page not loaded from the tier is noise now
+            for t in layer:
+                t.normal_()
+    assert one_by_one(pipe, [prompt, prompt[:13]], GREEDY) == want
+    assert pipe.scheduler.num_external_hit_tokens == 40
+    _idle(pipe)
+    conn.shutdown()
