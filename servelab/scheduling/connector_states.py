@@ -249,7 +249,7 @@ class ConnectorStates:
         else:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             num_ext, load_async = self._external_tokens(req, num_hit)
-        others_hold_kv = bool(self.running or self._waiting_remote or self._delayed_free)
+        others_hold_kv = bool(self.running) or self.has_pending_kv_transfers()  # their blocks come back
         if load_async:
             if self._park_for_load(req, num_hit, hit_blocks, num_ext):
                 if not self._pop_waiting(req):

@@ -103,3 +103,33 @@ def test_unloaded_sliding_blocks_are_never_committed(tiny_gemma2, async_load):
     assert pipe.scheduler.num_external_hit_tokens == 40
     _idle(pipe)
     conn.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["in_process", "directory"])
+def test_pd_hands_over_per_group_kv(tiny_gemma2, kind, tmp_path):
+    """Prefill on one Gemma 2 pipeline, decode on another: each transfer carries every block of
+    the full groups and only the window (2 blocks) of the sliding groups."""
+    rng = random.Random(11)
+    prompts = [[1] + [rng.randrange(3, 90) for _ in range(n)] for n in (17, 22, 30, 35, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = one_by_one(Pipeline(tiny_gemma2, **KW), prompts, params)
+    channel = InProcessChannel() if kind == "in_process" else DirectoryChannel(tmp_path)
+    prefill = Pipeline(tiny_gemma2, kv_connector=PDConnector("producer", channel), **KW)
+    decode = Pipeline(tiny_gemma2, kv_connector=PDConnector("consumer", channel), **KW)
+    with torch.inference_mode():
+        outs = disaggregated_generate(prefill, decode, prompts, params)
+    assert [tuple(o.token_ids) for o in outs] == want
+    producer = prefill.kv_connector
+    assert decode.kv_connector.num_received == len(prompts) and decode.kv_connector.num_failed_loads == 0
+    # every decode request computed only its tail: the prompt's aligned blocks came from the transfer
+    assert decode.scheduler.num_external_hit_tokens == sum(len(p) // 4 * 4 for p in prompts)
+    sent = producer.group_sent_blocks
+    sliding = _sliding(prefill)
+    full = [g for g in range(len(sent)) if g not in sliding]
+    assert all(sent[g] == sum(len(p) // 4 for p in prompts) for g in full), sent
+    assert all(sent[g] == 2 * len(prompts) for g in sliding), sent
+    assert channel.bytes_pulled == producer.bytes_published
+    _idle(prefill)
+    _idle(decode)
+    if kind == "directory":
+        assert list(tmp_path.iterdir()) == []

@@ -66,12 +66,12 @@ def test_in_process_token_exact(tiny_llama, prompts, reference):
 
 
 def test_producer_preempted_during_prefill_recomputes(tiny_llama, prompts, reference):
-    """Prefills in a 9-block pool preempt each other before they end (nothing was published
+    """Prefills in an 8-block pool preempt each other before they end (nothing was published
     for them then); what ends is handed over, and its held blocks come back once pulled."""
     model, tok = tiny_llama
     channel = InProcessChannel()
     prefill = Pipeline(model, tok, kv_connector=PDConnector("producer", channel),
-                       **dict(KW, num_blocks=9, max_num_batched_tokens=8))
+                       **dict(KW, num_blocks=8, max_num_batched_tokens=8))
     decode = Pipeline(model, tok, kv_connector=PDConnector("consumer", channel), **KW)
     outs = disaggregated_generate(prefill, decode, prompts, GREEDY)
     assert [tuple(o.token_ids) for o in outs] == reference
@@ -191,9 +191,8 @@ def test_refuses_what_it_cannot_do(tiny_llama, tiny_gemma2):
         PDConnector("both", InProcessChannel())
     with pytest.raises(TypeError, match="TransferChannel"):
         PDConnector("producer", object())
-    with pytest.raises(ValueError, match="single-group"):
-        Pipeline(tiny_gemma2, block_size=4, num_blocks=24, enable_prefix_caching=True,
-                 kv_connector=PDConnector("consumer", InProcessChannel()))
+    with pytest.raises(ValueError, match="publish_at='start'"):
+        PDConnector("producer", InProcessChannel(), publish_at="start")
     model, tok = tiny_llama
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         Pipeline(model, tok, block_size=4, num_blocks=24, enable_prefix_caching=False,
