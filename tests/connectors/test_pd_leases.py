@@ -27,11 +27,15 @@ class Clock:
 
 
 class PreemptFirst(FCFSPolicy):
-    """Preempts the named request whenever it runs (so the test picks the victim)."""
+    """Preempts the named request whenever it runs, and admits it last (so the test picks
+    the victim, and others take the pool's free blocks before it comes back)."""
 
     def __init__(self, victim: str):
         super().__init__()
         self.victim = victim
+
+    def key(self, request):
+        return (request.request_id == self.victim, super().key(request))
 
     def select_victim(self, running):
         return next((r for r in running if r.request_id == self.victim), running[-1])
@@ -39,7 +43,8 @@ class PreemptFirst(FCFSPolicy):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return shared_prefix_prompts(2, num_prefixes=2, prefix_len=17, seed=9)
+    return (shared_prefix_prompts(2, num_prefixes=2, prefix_len=17, seed=9)
+            + shared_prefix_prompts(1, num_prefixes=1, prefix_len=17, seed=10))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,8 @@ def _tensors(producer, blocks):
 
 def _preempted_after_publishing(tiny_llama, prompts, lease_s):
     """Request "a" publishes its prompt, then request "b" needs the pool: "a" is preempted
-    (the policy's victim) before any consumer pulled, and "b" reuses every free block."""
+    (the policy's victim) before any consumer pulled; "c" arrives and is admitted before "a"
+    comes back: it would take (and overwrite) the blocks "a" freed, were they free."""
     model, tok = tiny_llama
     clock = Clock()
     channel = InProcessChannel(clock=clock)
@@ -72,6 +78,7 @@ def _preempted_after_publishing(tiny_llama, prompts, lease_s):
     req = prefill.scheduler.requests["a"]
     assert req.num_preemptions == 1 and req.num_computed_tokens == 0  # preempted: recomputes
     assert all(b.ref_cnt >= 1 for b in leased)  # the lease's references keep them
+    prefill.add_request(prompts[2], GREEDY, request_id="c")
     return clock, channel, producer, prefill, leased, before
 
 
@@ -96,7 +103,7 @@ def _drain(pipe, clock):
 
 def test_preempted_producer_keeps_published_blocks_for_the_pull(tiny_llama, prompts, reference):
     clock, channel, producer, prefill, leased, before = _preempted_after_publishing(tiny_llama, prompts, 30.0)
-    for _ in range(4):  # "b" runs on, "a" recomputes, blocks come and go
+    for _ in range(8):  # "b" runs on, "c" wants room, blocks come and go
         prefill.step()
     assert all(torch.equal(x, y) for bx, by in zip(before, _tensors(producer, leased)) for x, y in zip(bx, by))
     decode, tail = _consumer(tiny_llama, channel, prompts[0], reference[0][0])
@@ -104,7 +111,7 @@ def test_preempted_producer_keeps_published_blocks_for_the_pull(tiny_llama, prom
     assert decode.scheduler.num_external_hit_tokens == len(prompts[0]) // 4 * 4  # the transfer served it
     _drain(prefill, clock)
     _drain(decode, clock)
-    assert [tuple(prefill.get_output(rid, pop=True).token_ids) for rid in ("a", "b")] == reference
+    assert [tuple(prefill.get_output(rid, pop=True).token_ids) for rid in ("a", "b", "c")] == reference
 
 
 def test_lease_expired_while_preempted_consumer_recomputes(tiny_llama, prompts, reference):
@@ -116,4 +123,4 @@ def test_lease_expired_while_preempted_consumer_recomputes(tiny_llama, prompts, 
     assert tail == reference[0][1:] and decode.scheduler.num_external_hit_tokens == 0
     _drain(prefill, clock)
     _drain(decode, clock)
-    assert [tuple(prefill.get_output(rid, pop=True).token_ids) for rid in ("a", "b")] == reference
+    assert [tuple(prefill.get_output(rid, pop=True).token_ids) for rid in ("a", "b", "c")] == reference
