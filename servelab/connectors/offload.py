@@ -267,7 +267,9 @@ class OffloadConnector(KVConnector):
             job = self._jobs.get()
             if job is None:
                 return
-            self._done.put((job.request_id, self._run_job(job)))
+            with torch.inference_mode():  # thread-local: the caches may be inference tensors
+                ok = self._run_job(job)
+            self._done.put((job.request_id, ok))
 
     def _run_job(self, job: LoadJob) -> bool:
         """Copy a job's blocks into the pool; False (and the bad entries dropped) if any is missing."""

@@ -281,7 +281,8 @@ class PDConnector(KVConnector):
         if pairs is not None:
             dst = {k: (block_id, g) for k, block_id, g in pairs}
             try:
-                ok = self.channel.pull(tid, list(dst), lambda k: self._block_tensors(*dst[k]))
+                with torch.inference_mode():  # thread-local: the caches may be inference tensors
+                    ok = self.channel.pull(tid, list(dst), lambda k: self._block_tensors(*dst[k]))
             except Exception:
                 ok = False
         if ok:

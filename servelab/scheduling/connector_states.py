@@ -23,6 +23,10 @@ What it adds, following vLLM v1's scheduler:
   under heavy pressure the pool may evict them before the request is
   admitted; it then recomputes them — a request is offered external tokens
   once, so this always ends.) Connectors therefore need prefix caching.
+- **Window blocks only.** For a hybrid manager, a sliding-window group's
+  blocks of the external range that the window at its end does not read are
+  released (null, never committed) as soon as the blocks are held: the
+  connector loads only the window's blocks (:mod:`servelab.connectors.windows`).
 - **Failed loads recompute.** A request in ``failed_recving`` (async), or
   whose synchronous load in this step failed, loses its blocks and goes back
   to the waiting queue with nothing computed; it is never offered external
@@ -32,7 +36,9 @@ What it adds, following vLLM v1's scheduler:
   still sending the blocks), or a request ending while its load is in flight
   (the worker may still write them), keeps its blocks held — not reusable,
   not newly findable — until ``finished_sending`` / ``finished_recving``
-  names it. A request id is not reusable meanwhile.
+  names it. A request id is not reusable meanwhile. While a connector holds
+  blocks (loads, sends, a producer's leases: ``has_pending_kv_transfers``), a
+  request that finds no room waits for them instead of failing.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ really served from the tier / the transfer."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -133,3 +134,29 @@ def test_pd_hands_over_per_group_kv(tiny_gemma2, kind, tmp_path):
     _idle(decode)
     if kind == "directory":
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.environ.get("SERVELAB_FETCH_REAL_CHECKPOINT") != "1",
+                    reason="set SERVELAB_FETCH_REAL_CHECKPOINT=1 for the real Gemma 3 270M checkpoint")
+def test_pd_gemma3_token_exact():
+    """Gemma 3 270M (five sliding groups of window 512, one full): a 600-token prompt's handoff
+    carries 32 window blocks per sliding group, 37 for the full one; greedy, token for token."""
+    from servelab.models import hub
+
+    kw = dict(block_size=16, num_blocks=300, enable_prefix_caching=True)
+    base = Pipeline.from_pretrained(hub.fetch_gemma3_270m(), **kw)
+    rng = random.Random(0)
+    prompt = [2] + [rng.randrange(100, 20000) for _ in range(599)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with torch.inference_mode():
+        want = tuple(base.generate([prompt], params)[0].token_ids)
+        channel = InProcessChannel()
+        prefill = Pipeline(base.model, base.tokenizer, kv_connector=PDConnector("producer", channel), **kw)
+        decode = Pipeline(base.model, base.tokenizer, kv_connector=PDConnector("consumer", channel), **kw)
+        out = disaggregated_generate(prefill, decode, [prompt], params)[0]
+    assert tuple(out.token_ids) == want and decode.scheduler.num_external_hit_tokens == 592
+    assert decode.kv_connector.num_received == 1 and decode.kv_connector.num_failed_loads == 0
+    sent = prefill.kv_connector.group_sent_blocks
+    assert sorted(sent) == [32] * (len(sent) - 1) + [37], sent
+    _idle(prefill)
+    _idle(decode)
