@@ -22,7 +22,11 @@ servelab ``Pipeline`` (the scheduler calls one half, the model runner the other)
    whole block-table rows, a tuple with one list per KV-cache group, a
    1-tuple for a single-group model; the external tokens are positions
    ``num_computed_tokens .. num_computed_tokens + num_external_tokens - 1``).
-   The connector records the load it owes.
+   The connector records the load it owes. For a hybrid manager, the
+   scheduler has already released (null in ``block_ids``) a sliding-window
+   group's blocks that the prefix ``num_computed_tokens + num_external_tokens``
+   does not read; the connector writes the group's window blocks only
+   (:mod:`servelab.connectors.windows`).
 3. ``build_connector_meta(scheduler_output)`` once per ``schedule()``, last:
    the per-step :class:`KVConnectorMetadata` the worker side acts on. It
    resets the connector's per-step state.

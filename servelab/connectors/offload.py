@@ -17,16 +17,28 @@ forward (``async_load=False``). A load whose block went missing (a disk file
 deleted, a read error) fails: the request recomputes; the tier entry is dropped.
 
 Hybrid models (several KV-cache groups, e.g. Gemma 2's sliding-window and
-full layers): hashes are tagged per group, each group's evicted blocks are
-offloaded under their own keys and copied in that group's layers only, and an
-external hit must be served by every group. Loaded blocks are committed
-(findable) afterwards, so a sliding-window group must load **every** block of
-the external range, not only those its window reads: a committed block must
-hold real KV. (Offloading only the window's blocks would need the manager to
-leave out-of-window positions uncommitted; not done.)
+full layers): hashes are tagged per group, each group's blocks are stored
+under their own keys and copied in that group's layers only, and an external
+hit must be served by every group. A **sliding-window group stores only
+window blocks** (:mod:`servelab.connectors.windows`: a prefix of ``L`` tokens
+needs only the group's blocks covering its last ``window - 1`` tokens). Which
+prefix ends: the **save points** of a request, computed when it ends —
+``floor((p - 1) / a) * a`` and ``floor(p / a) * a`` for its prompt length
+``p`` (the hit of the same prompt again, or of a prompt extending it) and
+``floor(c / a) * a`` for its computed tokens ``c`` (the next turn of a
+conversation), ``a`` the manager's ``hit_alignment``. Their window blocks are
+copied (from the pool's prefix cache, before the next forward) whatever the
+``save`` mode; a sliding block the pool evicts or commits is otherwise not
+stored. A lookup takes the longest prefix that the full groups serve
+contiguously *and* whose window every sliding group has; a hit elsewhere (a
+shared prefix ending between save points) is served from the tier by the
+full groups only up to the nearest save point. Loads copy only the window
+blocks; the scheduler releases the group's other blocks of the range
+uncommitted.
 
-Counters: ``stats()`` — per tier blocks stored / evicted / hit, lookups and
-external hit tokens, loads and failed loads, failed saves.
+Counters: ``stats()`` — per tier blocks stored / evicted / hit, per KV-cache
+group blocks and bytes stored, lookups and external hit tokens, loads and
+failed loads, failed saves.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import torch
 from servelab._internal.validation import check_int
 from servelab.connectors.base import KVConnector, KVConnectorMetadata, KVTransferResult
 from servelab.connectors.tiers import TierStore
+from servelab.connectors.windows import block_rows, group_hashes, group_views, longest_servable
 
 __all__ = ["LoadJob", "OffloadConnector", "OffloadMetadata"]
 
@@ -105,25 +118,33 @@ class OffloadConnector(KVConnector):
         self.num_loads = 0
         self.num_failed_loads = 0
         self.num_failed_saves = 0
+        self.group_stored_blocks: list[int] = []
+        self.group_stored_bytes: list[int] = []
+        self.group_loaded_blocks: list[int] = []
 
     # ---- binding ---------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        groups = getattr(kv_cache_manager, "groups", None)
-        self._group_specs = [g.spec for g in groups] if groups is not None else [kv_cache_manager.spec]
-        self._hybrid = groups is not None
+        self._views = group_views(kv_cache_manager)
+        self._hybrid = getattr(kv_cache_manager, "groups", None) is not None
+        self.group_stored_blocks = [0] * len(self._views)
+        self.group_stored_bytes = [0] * len(self._views)
+        self.group_loaded_blocks = [0] * len(self._views)
         pool = kv_cache_manager.block_pool
         pool.evict_listeners.append(self._on_pool_blocks)
         if self.save == "all":
             pool.cache_listeners.append(self._on_pool_blocks)
 
     def _on_pool_blocks(self, blocks: list[Any]) -> None:
-        """Pool hook (never raises): these indexed blocks are saved before the next forward."""
+        """Pool hook (never raises): these indexed blocks are saved before the next forward
+        (a sliding-window group's blocks only at its requests' save points: ``request_finished``)."""
         for block in blocks:
             key = block.block_hash
             if key is not None and not any(key in tier for tier in self.tiers):
-                self._pending_saves.append((key, block.block_id, self._group_of(key)))
+                group = self._group_of(key)
+                if self._views[group].window_blocks is None:
+                    self._pending_saves.append((key, block.block_id, group))
 
     def _group_of(self, key: bytes) -> int:
         return int.from_bytes(key[-2:], "little") if self._hybrid else 0
@@ -131,41 +152,53 @@ class OffloadConnector(KVConnector):
     # ---- scheduler side ----------------------------------------------------------------
 
     def _group_hashes(self, request: Any, g: int) -> Any:
-        if self._hybrid:
-            return self.kv_cache_manager.group_hashes(request, g)
-        return request.block_hashes
+        return group_hashes(self.kv_cache_manager, request, g)
 
     def _available(self, key: bytes) -> bool:
         return any(key in tier for tier in self.tiers) or any(k == key for k, _, _ in self._pending_saves)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens past ``num_computed_tokens`` whose blocks every group finds in a tier."""
+        """Tokens past ``num_computed_tokens`` whose needed blocks every group finds in a tier."""
         self.num_lookups += 1
-        end = request.num_tokens - 1
-        for g, spec in enumerate(self._group_specs):
-            bs = spec.block_size
-            hashes = self._group_hashes(request, g)
-            i = num_computed_tokens // bs
-            limit = min(len(hashes), end // bs)
-            while i < limit and self._available(hashes[i]):
-                i += 1
-            end = min(end, i * bs)
-        align = getattr(self.kv_cache_manager, "hit_alignment", self._group_specs[0].block_size)
-        num = max(end // align * align - num_computed_tokens, 0)
+        hashes = [self._group_hashes(request, g) for g in range(len(self._views))]
+        align = getattr(self.kv_cache_manager, "hit_alignment", self._views[0].block_size)
+        end = longest_servable(self._views, hashes, self._available, num_computed_tokens,
+                               request.num_tokens - 1, align)
+        num = max(end - num_computed_tokens, 0)
         return num, self.async_load and num > 0
 
     def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
         if not num_external_tokens:
             return
-        rows = block_ids  # one list per KV-cache group
+        rows = block_rows(block_ids, len(self._views))
         start = request.num_computed_tokens
         blocks = []
-        for g, spec in enumerate(self._group_specs):
-            bs, hashes = spec.block_size, self._group_hashes(request, g)
-            for i in range(start // bs, (start + num_external_tokens) // bs):
+        for g, view in enumerate(self._views):
+            hashes = self._group_hashes(request, g)
+            for i in view.needed(start, start + num_external_tokens):  # a sliding group: its window only
                 blocks.append((hashes[i], rows[g][i], g))
         self._pending_loads.append(LoadJob(request.request_id, blocks, self.async_load))
         self.num_hit_tokens += num_external_tokens
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Queue the window blocks of a sliding-window group's save points (module docstring)
+        that the pool still caches; they are copied before the next forward."""
+        windows = [g for g, view in enumerate(self._views) if view.window_blocks is not None]
+        if not windows:
+            return False, None
+        align = getattr(self.kv_cache_manager, "hit_alignment", self._views[0].block_size)
+        p, c = request.num_prompt_tokens, min(request.num_computed_tokens, request.num_tokens)
+        ends = {max(p - 1, 0) // align * align, p // align * align, c // align * align}
+        pool = self.kv_cache_manager.block_pool
+        for g in windows:
+            hashes = self._group_hashes(request, g)
+            wanted = sorted({i for end in ends for i in self._views[g].needed(0, end) if i < len(hashes)})
+            for i in wanted:
+                key = hashes[i]
+                block = pool.get_cached_block(key)  # committed: its KV is written
+                if block is not None and not self._available(key):
+                    self._pending_saves.append((key, block.block_id, g))
+        return False, None
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadMetadata:
         last = self._last_meta
@@ -193,9 +226,15 @@ class OffloadConnector(KVConnector):
             return
         for key, block_id, group in metadata.saves:
             try:
-                self._save(key, [t.clone() for t in self._block_tensors(block_id, group)])
+                payload = [t.clone() for t in self._block_tensors(block_id, group)]
+                fresh = not any(key in tier for tier in self.tiers)
+                self._save(key, payload)
             except Exception:
                 self.num_failed_saves += 1
+                continue
+            if fresh:
+                self.group_stored_blocks[group] += 1
+                self.group_stored_bytes[group] += sum(t.numel() * t.element_size() for t in payload)
 
     def _save(self, key: bytes, payload: list[torch.Tensor]) -> None:
         """Store into the host tier; its evictions cascade down the tiers."""
@@ -228,7 +267,9 @@ class OffloadConnector(KVConnector):
             job = self._jobs.get()
             if job is None:
                 return
-            self._done.put((job.request_id, self._run_job(job)))
+            with torch.inference_mode():  # thread-local: the caches may be inference tensors
+                ok = self._run_job(job)
+            self._done.put((job.request_id, ok))
 
     def _run_job(self, job: LoadJob) -> bool:
         """Copy a job's blocks into the pool; False (and the bad entries dropped) if any is missing."""
@@ -240,6 +281,7 @@ class OffloadConnector(KVConnector):
                     return False
                 for dst, src in zip(targets, payload):
                     dst.copy_(src)
+                self.group_loaded_blocks[group] += 1
             return True
         except Exception:
             return False
@@ -288,6 +330,8 @@ class OffloadConnector(KVConnector):
         out: dict[str, Any] = {t.name: dict(blocks=len(t), stored=t.stats.stored, evicted=t.stats.evicted,
                                             hits=t.stats.hits, failed_reads=t.stats.failed_reads)
                                for t in self.tiers}
-        out.update(lookups=self.num_lookups, hit_tokens=self.num_hit_tokens, loads=self.num_loads,
+        out.update(group_stored_blocks=list(self.group_stored_blocks), group_stored_bytes=list(self.group_stored_bytes),
+                   group_loaded_blocks=list(self.group_loaded_blocks),
+                   lookups=self.num_lookups, hit_tokens=self.num_hit_tokens, loads=self.num_loads,
                    failed_loads=self.num_failed_loads, failed_saves=self.num_failed_saves)
         return out

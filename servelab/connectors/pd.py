@@ -4,17 +4,21 @@ Two pipelines over the same model, each with a ``PDConnector`` on the same
 channel (:mod:`servelab.connectors.channels`):
 
 - the **producer** (``role="producer"``) runs the prompt and samples the first
-  token (``max_tokens=1``). When a request ends normally, ``request_finished``
-  keeps its blocks (delayed free), publishes its computed full blocks on the
-  channel under a lease (in one process the consumer reads them straight from
-  the producer's pool; through a directory they are written out now) and
-  returns the transfer params ``{"transfer_id", "num_blocks", "token_ids"}``
-  (``token_ids``: prompt + first token, the request state the decode side
-  continues from). The blocks
-  are freed when the consumer confirms or the lease expires
-  (``finished_sending``). A producer request that is preempted or fails before
-  it ends has published nothing: it recomputes (or fails) like any request, so
-  freed blocks are never shipped.
+  token (``max_tokens=1``). It **publishes** the request's KV on the channel
+  under a lease — when the request ends normally (``publish_at="end"``), or
+  already once its prompt's blocks are committed (``publish_at="prefill"``:
+  the request may go on decoding, and may be preempted, while a consumer
+  pulls). ``request_finished`` returns the transfer params ``{"transfer_id",
+  "num_blocks", "token_ids"}`` (``token_ids``: prompt + first token, the
+  request state the decode side continues from).
+- **Leases hold their own block references.** Publishing takes one pool
+  reference on every published block; the transfer releases it when the
+  consumer confirms or the lease expires (settled on the producer's scheduler
+  side, each step). Whatever happens to the request meanwhile — it ends, is
+  preempted and recomputes, fails, is aborted — the published blocks are
+  never reused while a pull may read them (*prefer leaking to misusing*: an
+  unconfirmed transfer costs its blocks until the lease runs out). A request
+  that ends failed or aborted revokes its own early transfer.
 - the **consumer** (``role="consumer"``) gets a request whose
   ``SamplingParams.extra_args["kv_transfer_params"]`` are the producer's params
   (and whose prompt is ``token_ids``). Its scheduler asks for an external hit:
@@ -24,10 +28,15 @@ channel (:mod:`servelab.connectors.channels`):
   (lease expired, channel lost, a read error) fails the load: the consumer
   recomputes the prompt itself, never reads wrong KV.
 
+**Hybrid models** (several KV-cache groups, e.g. Gemma 2): a transfer is a flat
+list of per-group blocks, each named by its group-tagged hash; a full-attention
+group sends every block of the prefix, a sliding-window group only the blocks
+its window reads at the prefix end (:mod:`servelab.connectors.windows`). The
+prefix sent is the longest block-aligned one (``hit_alignment``) whose needed
+blocks the producer still holds.
+
 :func:`disaggregated_generate` runs a batch this way and returns the outputs
 a single pipeline would (greedy: token for token).
-
-Single-group models only (a hybrid manager is refused with ``ValueError``).
 """
 
 from __future__ import annotations
@@ -45,17 +54,22 @@ import torch
 from servelab._internal.validation import check_number
 from servelab.connectors.base import KVConnector, KVConnectorMetadata, KVTransferResult
 from servelab.connectors.channels import TransferChannel
+from servelab.connectors.windows import block_rows, group_hashes, group_views, longest_servable
 
 __all__ = ["PDConnector", "PDMetadata", "disaggregated_generate"]
 
 _ROLES = ("producer", "consumer")
+_PUBLISH_AT = ("end", "prefill")
+
+# A pull: (request id, transfer id, [(entry index in the transfer, block id, group)] or None: fails)
+Load = tuple[str, str, "list[tuple[int, int, int]] | None"]
 
 
 @dataclass
 class PDMetadata(KVConnectorMetadata):
-    """``loads``: (request id, transfer id, [(block index, block id)]) to pull."""
+    """``loads``: the transfers to pull this step (see ``Load``)."""
 
-    loads: list[tuple[str, str, list[tuple[int, int]]]] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
 
 
 class PDConnector(KVConnector):
@@ -65,37 +79,48 @@ class PDConnector(KVConnector):
         role: ``"producer"`` (prefill) or ``"consumer"`` (decode).
         channel: a :class:`~servelab.connectors.channels.TransferChannel` shared by both sides.
         lease_s: how long the producer holds published blocks without a confirmation.
+        publish_at: producer: ``"end"`` (when the request ends) or ``"prefill"`` (once its
+            prompt's blocks are committed).
     """
 
     name = "pd"
 
-    def __init__(self, role: str, channel: TransferChannel, *, lease_s: float = 30.0) -> None:
+    def __init__(self, role: str, channel: TransferChannel, *, lease_s: float = 30.0,
+                 publish_at: str = "end") -> None:
         super().__init__()
         if role not in _ROLES:
             raise ValueError(f"role={role!r}; valid: {_ROLES}")
+        if publish_at not in _PUBLISH_AT:
+            raise ValueError(f"publish_at={publish_at!r}; valid: {_PUBLISH_AT}")
         if not callable(getattr(channel, "publish", None)) or not callable(getattr(channel, "pull", None)):
             raise TypeError(f"channel must be a TransferChannel (publish, describe, pull, confirm, settle), "
                             f"got {type(channel).__name__}")
-        self.role, self.channel = role, channel
+        self.role, self.channel, self.publish_at = role, channel, publish_at
         self.lease_s = check_number("lease_s", lease_s, min_value=0.0)
-        self._loads: list[tuple[str, str, list[tuple[int, int]]]] = []
-        self._published: set[str] = set()
+        self._loads: list[Load] = []
+        self._leases: dict[str, list[Any]] = {}  # producer: transfer id -> the blocks it holds a reference on
+        self._watch: dict[str, Any] = {}  # producer, publish_at="prefill": requests not yet published
         self._params: dict[str, dict[str, Any]] = {}
         self._pulled: set[str] = set()  # consumer: transfers it loaded (or tried to)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight = 0
         self._last_meta: PDMetadata | None = None
         self.num_sent = self.num_received = self.num_failed_loads = self.num_expired = 0
+        self.bytes_published = 0
+        self.group_sent_blocks: list[int] = []
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        if getattr(kv_cache_manager, "groups", None) is not None:
-            raise ValueError("the pd connector serves single-group models; this pipeline has a hybrid KV cache "
-                             "(several KV-cache groups)")
         super().bind_kv_cache_manager(kv_cache_manager)
+        self._views = group_views(kv_cache_manager)
         self.block_size = kv_cache_manager.block_size
+        self.align = getattr(kv_cache_manager, "hit_alignment", self.block_size)
+        self.group_sent_blocks = [0] * len(self._views)
 
-    def _block_tensors(self, block_id: int) -> list[torch.Tensor]:
-        return [t[block_id] for layer in self.layer_groups[0] for t in self.kv_caches[layer]]
+    def _block_tensors(self, block_id: int, group: int) -> list[torch.Tensor]:
+        return [t[block_id] for layer in self.layer_groups[group] for t in self.kv_caches[layer]]
+
+    def _hashes(self, request: Any) -> list[Sequence[bytes]]:
+        return [group_hashes(self.kv_cache_manager, request, g) for g in range(len(self._views))]
 
     def transfer_params(self, request_id: str) -> dict[str, Any] | None:
         """Producer: the params of an ended request (popped), to hand to the consumer."""
@@ -111,6 +136,8 @@ class PDConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.role != "consumer":
+            if self.publish_at == "prefill" and request.request_id not in self._leases:
+                self._watch[request.request_id] = request  # published by build_connector_meta once committed
             return 0, False
         params = self._request_params(request)
         if params is None or params["transfer_id"] in self._pulled:
@@ -118,11 +145,10 @@ class PDConnector(KVConnector):
         hashes = self.channel.describe(params["transfer_id"])
         if not hashes:
             return 0, False
-        mine = request.block_hashes
-        n = 0
-        while n < len(hashes) and n < len(mine) and hashes[n] == mine[n]:
-            n += 1  # only blocks of exactly this request's tokens
-        num = n * self.block_size - num_computed_tokens
+        sent = set(hashes)  # chained hashes: a match names exactly this request's tokens up to that block
+        end = longest_servable(self._views, self._hashes(request), sent.__contains__, num_computed_tokens,
+                               request.num_tokens - 1, self.align)
+        num = end - num_computed_tokens
         return (num, True) if num > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
@@ -132,11 +158,19 @@ class PDConnector(KVConnector):
         if params is None:
             return
         tid = params["transfer_id"]
-        start = request.num_computed_tokens // self.block_size
-        end = (request.num_computed_tokens + num_external_tokens) // self.block_size
+        index = {h: k for k, h in enumerate(self.channel.describe(tid) or ())}
+        rows, mine = block_rows(block_ids, len(self._views)), self._hashes(request)
+        start = request.num_computed_tokens
+        pairs: list[tuple[int, int, int]] | None = []
+        for g, view in enumerate(self._views):
+            for i in view.needed(start, start + num_external_tokens):
+                k = index.get(mine[g][i])
+                if k is None or pairs is None:  # the transfer went away since the lookup: the load fails
+                    pairs = None
+                    break
+                pairs.append((k, rows[g][i], g))
         self._pulled.add(tid)
-        row = block_ids[0]  # one KV-cache group
-        self._loads.append((request.request_id, tid, [(i, row[i]) for i in range(start, end)]))
+        self._loads.append((request.request_id, tid, pairs))
 
     def build_connector_meta(self, scheduler_output: Any) -> PDMetadata:
         last = self._last_meta
@@ -145,37 +179,93 @@ class PDConnector(KVConnector):
         meta = PDMetadata(step=scheduler_output.step, loads=self._loads)
         self._loads = []
         self._last_meta = meta
+        if self.role == "producer":
+            self._settle()
+            self._publish_committed_prompts()
         return meta
 
+    def _settle(self) -> None:
+        """Release the references of transfers confirmed or expired (now revoked: no pull reads them)."""
+        if not self._leases:
+            return
+        pool = self.kv_cache_manager.block_pool
+        for tid in self.channel.settle(sorted(self._leases)):
+            pool.free_blocks(self._leases.pop(tid)[::-1])
+
+    def _publish_committed_prompts(self) -> None:
+        """``publish_at="prefill"``: publish the requests whose prompt blocks are committed."""
+        for rid, request in list(self._watch.items()):
+            committed = request.num_committed_blocks * self.block_size  # 0 again after a preemption
+            prompt_end = request.num_prompt_tokens // self.align * self.align
+            if prompt_end == 0 or committed < prompt_end:
+                continue
+            del self._watch[rid]
+            try:
+                rows = block_rows(self.kv_cache_manager.get_block_ids(request), len(self._views))
+                self._publish(request, rows, prompt_end)
+            except Exception:
+                pass  # not published now: request_finished tries again
+
+    def _publish(self, request: Any, rows: tuple[list[int], ...], num_tokens: int) -> int:
+        """Publish, under a lease holding its own references, the blocks that the longest
+        prefix of at most ``num_tokens`` tokens needs and ``rows`` still holds (a sliding
+        group may have released old ones). Returns the prefix length (0: nothing sent)."""
+        pool = self.kv_cache_manager.block_pool
+        end = num_tokens // self.align * self.align
+        entries: list[tuple[int, int]] = []
+        while end > 0:
+            entries = [(g, i) for g, view in enumerate(self._views) for i in view.needed(0, end)]
+            if all(i < len(rows[g]) and not pool.blocks[rows[g][i]].is_null for g, i in entries):
+                break
+            end -= self.align
+        if end == 0:
+            return 0
+        hashes = self._hashes(request)
+        blocks = [pool.blocks[rows[g][i]] for g, i in entries]
+        groups = [g for g, _ in entries]
+        tid = request.request_id
+        pool.touch(blocks)  # the lease's references: the blocks outlive the request if need be
+        try:
+            self.channel.publish(tid, [hashes[g][i] for g, i in entries],
+                                 lambda k: self._block_tensors(blocks[k].block_id, groups[k]), self.lease_s)
+        except BaseException:
+            pool.free_blocks(blocks[::-1])
+            raise
+        self._leases[tid] = blocks
+        self.num_sent += 1
+        for g in groups:
+            self.group_sent_blocks[g] += 1
+        self.bytes_published += sum(t.numel() * t.element_size() for k in range(len(blocks))
+                                    for t in self._block_tensors(blocks[k].block_id, groups[k]))
+        return end
+
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        tid = request.request_id
         if self.role == "consumer":
             params = self._request_params(request)
             if params is not None and params["transfer_id"] not in self._pulled:
                 self.channel.confirm(params["transfer_id"])  # it will not pull: release the producer early
             return False, None
+        self._watch.pop(tid, None)
         if request.status.finish_reason not in ("length", "stop"):
-            return False, None  # failed or aborted: nothing to hand over
-        num_blocks = min(request.num_computed_tokens, request.num_tokens) // self.block_size
-        if num_blocks == 0:
+            if tid in self._leases:  # failed or aborted after an early publish: nothing to hand over
+                self.channel.confirm(tid)
             return False, None
-        tid = request.request_id
-        blocks = list(block_ids[0][:num_blocks])  # one KV-cache group
-        # Published now (this step's forward wrote the KV): a pull reads the held blocks until settled.
-        self.channel.publish(tid, list(request.block_hashes[:num_blocks]),
-                             lambda i: self._block_tensors(blocks[i]), self.lease_s)
-        self._published.add(tid)
-        self.num_sent += 1
-        params = {"transfer_id": tid, "num_blocks": num_blocks, "token_ids": list(request.all_token_ids)}
+        if tid not in self._leases:
+            rows = block_rows(block_ids, len(self._views))
+            if not self._publish(request, rows, min(request.num_computed_tokens, request.num_tokens)):
+                return False, None
+        params = {"transfer_id": tid, "num_blocks": len(self._leases[tid]), "token_ids": list(request.all_token_ids)}
         self._params[tid] = params
-        return True, params
+        return False, params  # the lease holds its own references: the request's blocks are freed now
 
     def has_pending_work(self) -> bool:
-        return bool(self._published) or self._inflight > 0
+        return bool(self._leases) or self._inflight > 0
 
     # ---- worker side --------------------------------------------------------------------------
 
     def wait_for_save(self) -> None:
-        """Nothing: the producer publishes when a request ends (``request_finished``)."""
+        """Nothing: the producer publishes on the scheduler side."""
 
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self._metadata
@@ -186,12 +276,15 @@ class PDConnector(KVConnector):
             threading.Thread(target=self._pull, args=(rid, tid, pairs), daemon=True,
                              name="servelab-pd-pull").start()
 
-    def _pull(self, rid: str, tid: str, pairs: list[tuple[int, int]]) -> None:
-        dst = dict(pairs)
-        try:
-            ok = self.channel.pull(tid, [i for i, _ in pairs], lambda i: self._block_tensors(dst[i]))
-        except Exception:
-            ok = False
+    def _pull(self, rid: str, tid: str, pairs: list[tuple[int, int, int]] | None) -> None:
+        ok = False
+        if pairs is not None:
+            dst = {k: (block_id, g) for k, block_id, g in pairs}
+            try:
+                with torch.inference_mode():  # thread-local: the caches may be inference tensors
+                    ok = self.channel.pull(tid, list(dst), lambda k: self._block_tensors(*dst[k]))
+            except Exception:
+                ok = False
         if ok:
             try:
                 self.channel.confirm(tid)
@@ -205,7 +298,7 @@ class PDConnector(KVConnector):
                 self._done.put(self._done.get(timeout=timeout))
             except queue.Empty:
                 pass
-        elif self._published:  # only leases pending: a short nap, then settle again
+        elif self._leases:  # only leases pending: a short nap, then settle again
             time.sleep(min(timeout, 0.005))
 
     def get_finished(self, finished_req_ids: set[str]) -> KVTransferResult:
@@ -219,10 +312,6 @@ class PDConnector(KVConnector):
             else:
                 result.failed_recving.add(rid)
                 self.num_failed_loads += 1
-        if self._published:
-            settled = self.channel.settle(sorted(self._published))
-            self._published -= settled
-            result.finished_sending |= settled
         return result
 
 
@@ -257,7 +346,7 @@ def disaggregated_generate(prefill: Any, decode: Any, prompts: Sequence[Any], sa
                 done.token_ids = list(done.token_ids) + list(out.token_ids)
                 done.text += out.text
                 done.finish_reason, done.stop_reason, done.error = out.finish_reason, out.stop_reason, out.error
-    prefill.step()  # the producer hears of the last confirmations and frees those blocks
+    prefill.step()  # the producer settles the last confirmations and frees those blocks
     return results
 
 

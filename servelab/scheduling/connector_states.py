@@ -23,6 +23,10 @@ What it adds, following vLLM v1's scheduler:
   under heavy pressure the pool may evict them before the request is
   admitted; it then recomputes them — a request is offered external tokens
   once, so this always ends.) Connectors therefore need prefix caching.
+- **Window blocks only.** For a hybrid manager, a sliding-window group's
+  blocks of the external range that the window at its end does not read are
+  released (null, never committed) as soon as the blocks are held: the
+  connector loads only the window's blocks (:mod:`servelab.connectors.windows`).
 - **Failed loads recompute.** A request in ``failed_recving`` (async), or
   whose synchronous load in this step failed, loses its blocks and goes back
   to the waiting queue with nothing computed; it is never offered external
@@ -32,7 +36,9 @@ What it adds, following vLLM v1's scheduler:
   still sending the blocks), or a request ending while its load is in flight
   (the worker may still write them), keeps its blocks held — not reusable,
   not newly findable — until ``finished_sending`` / ``finished_recving``
-  names it. A request id is not reusable meanwhile.
+  names it. A request id is not reusable meanwhile. While a connector holds
+  blocks (loads, sends, a producer's leases: ``has_pending_kv_transfers``), a
+  request that finds no room waits for them instead of failing.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class ConnectorStates:
         req.num_computed_tokens = num_hit
         self._waiting_remote[rid] = req
         self.num_external_hit_tokens += num_ext
+        self._drop_out_of_window(req, num_hit + num_ext)
         self.kv_connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req), num_ext)
 
     def _after_sync_alloc(self, req: Request, num_hit: int, num_ext: int) -> None:
@@ -127,7 +134,22 @@ class ConnectorStates:
         self._remote_plan[req.request_id] = (req.status, num_hit, num_ext, False)
         self.num_external_hit_tokens += num_ext
         req.num_computed_tokens = num_hit  # the external tokens follow the local hit (then _admit)
+        self._drop_out_of_window(req, num_hit + num_ext)
         self.kv_connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req), num_ext)
+
+    def _drop_out_of_window(self, req: Request, num_tokens: int) -> None:
+        """Release the sliding-window blocks a prefix of ``num_tokens`` does not read (hybrid
+        managers; see :mod:`servelab.connectors.windows`): the connector loads only the window
+        blocks, so the others hold no KV and must never be committed. The manager releases
+        exactly those when asked for no new token at ``num_computed_tokens = num_tokens``."""
+        if getattr(self.kv_cache_manager, "groups", None) is None:
+            return
+        computed = req.num_computed_tokens
+        req.num_computed_tokens = num_tokens
+        try:
+            self.kv_cache_manager.allocate_slots(req, 0)
+        finally:
+            req.num_computed_tokens = computed
 
     # ---- the worker's reports ----------------------------------------------------------
 
@@ -233,7 +255,7 @@ class ConnectorStates:
         else:
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             num_ext, load_async = self._external_tokens(req, num_hit)
-        others_hold_kv = bool(self.running or self._waiting_remote or self._delayed_free)
+        others_hold_kv = bool(self.running) or self.has_pending_kv_transfers()  # their blocks come back
         if load_async:
             if self._park_for_load(req, num_hit, hit_blocks, num_ext):
                 if not self._pop_waiting(req):

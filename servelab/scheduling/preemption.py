@@ -10,7 +10,7 @@ window plus one chunk, ``max_chunk_alone``), or it never fits and fails with the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from servelab.scheduling.request import Request
@@ -22,7 +22,7 @@ from servelab.scheduling.transitions import RequestTransitions
 class Preemption(RequestTransitions):
     """The scheduler's preemption steps (a mixin of :class:`~servelab.scheduling.scheduler.Scheduler`)."""
 
-    _delayed_free: dict[str, Request]
+    has_pending_kv_transfers: Callable[[], bool]
 
     def _make_room(self, step: _Step, req: Request, i: int, n: int, ahead: int
                    ) -> tuple[tuple[list[Any], ...] | None, int, int]:
@@ -43,7 +43,7 @@ class Preemption(RequestTransitions):
                 if new_blocks is not None:
                     return new_blocks, i, fit
                 running.pop(i)
-                if self._delayed_free or self._waiting_remote:  # blocks a KV connector holds come back
+                if self.has_pending_kv_transfers():  # blocks a KV connector holds (loads, sends, leases) come back
                     self._preempt(req, step)
                     return None, i, n
                 self._fail(req, self._no_room_message(req, n))

@@ -6,6 +6,7 @@ the pull makes the consumer recompute, a consumer that never comes costs only th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,12 +67,12 @@ def test_in_process_token_exact(tiny_llama, prompts, reference):
 
 
 def test_producer_preempted_during_prefill_recomputes(tiny_llama, prompts, reference):
-    """Prefills in a 9-block pool preempt each other before they end (nothing was published
+    """Prefills in an 8-block pool preempt each other before they end (nothing was published
     for them then); what ends is handed over, and its held blocks come back once pulled."""
     model, tok = tiny_llama
     channel = InProcessChannel()
     prefill = Pipeline(model, tok, kv_connector=PDConnector("producer", channel),
-                       **dict(KW, num_blocks=9, max_num_batched_tokens=8))
+                       **dict(KW, num_blocks=8, max_num_batched_tokens=8))
     decode = Pipeline(model, tok, kv_connector=PDConnector("consumer", channel), **KW)
     outs = disaggregated_generate(prefill, decode, prompts, GREEDY)
     assert [tuple(o.token_ids) for o in outs] == reference
@@ -191,10 +192,32 @@ def test_refuses_what_it_cannot_do(tiny_llama, tiny_gemma2):
         PDConnector("both", InProcessChannel())
     with pytest.raises(TypeError, match="TransferChannel"):
         PDConnector("producer", object())
-    with pytest.raises(ValueError, match="single-group"):
-        Pipeline(tiny_gemma2, block_size=4, num_blocks=24, enable_prefix_caching=True,
-                 kv_connector=PDConnector("consumer", InProcessChannel()))
+    with pytest.raises(ValueError, match="publish_at='start'"):
+        PDConnector("producer", InProcessChannel(), publish_at="start")
     model, tok = tiny_llama
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         Pipeline(model, tok, block_size=4, num_blocks=24, enable_prefix_caching=False,
                  kv_connector=PDConnector("consumer", InProcessChannel()))
+
+
+@pytest.mark.skipif(os.environ.get("SERVELAB_FETCH_REAL_CHECKPOINT") != "1",
+                    reason="set SERVELAB_FETCH_REAL_CHECKPOINT=1 for the real SmolLM2 checkpoint")
+def test_smollm2_token_exact():
+    """Prefill and decode of the real SmolLM2 on two pipelines, greedy: token for token one pipeline's."""
+    from servelab.models import hub
+
+    path = hub.fetch_smollm2()
+    prompts = shared_prefix_prompts(4, num_prefixes=2, prefix_len=40, vocab=40000, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(block_size=16, num_blocks=32, enable_prefix_caching=True)
+    base = Pipeline.from_pretrained(path, **kw)
+    want = [tuple(o.token_ids) for o in base.generate(prompts, params)]
+    channel = InProcessChannel()
+    prefill = Pipeline(base.model, base.tokenizer, kv_connector=PDConnector("producer", channel), **kw)
+    decode = Pipeline(base.model, base.tokenizer, kv_connector=PDConnector("consumer", channel), **kw)
+    outs = disaggregated_generate(prefill, decode, prompts, params)
+    assert [tuple(o.token_ids) for o in outs] == want
+    assert decode.kv_connector.num_received == len(prompts)
+    assert decode.scheduler.num_external_hit_tokens == sum(len(p) // 16 * 16 for p in prompts)
+    _idle(prefill)
+    _idle(decode)
