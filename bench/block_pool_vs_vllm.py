@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None,
         rows.append(make_row("block_pool", "servelab_vs_vllm", "ratio", "x", q["p50"],
                              params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
                                      "rounds": rounds, "repeats": REPEATS, "threads": 1, "clock": clock,
-                                     "machine": "2 cores shared by 8 sessions"},
+                                     "load_avg_1m": round(os.getloadavg()[0], 2)},
                              **q, extra_versions=vllm_versions))
     print(f"results: {append_rows(rows)}")
 

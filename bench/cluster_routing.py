@@ -150,7 +150,7 @@ def speed(num_requests: int, replicas: int) -> list[dict]:
           f"hit {s['prefix_hit_rate']:.3f}, TTFT p90 {s['ttft_p90']:.2f}s, imbalance {res.imbalance:.2f})")
     params = {"num_requests": num_requests, "replicas": replicas, "router": "prefix_affinity", "rate": workload.rate,
               "prompt_len": "lognormal:256:0.6", "output_len": "lognormal:48:0.6", "prefix_groups": 64,
-              "prefix_len": 256, "steps": s["steps"], "threads": 1, "machine": "2 cores shared by 8 sessions"}
+              "prefix_len": 256, "steps": s["steps"], "threads": 1, "load_avg_1m": round(os.getloadavg()[0], 2)}
     return [make_row("cluster_sim", "servelab", "wall_s", "s", wall, params=params)]
 
 

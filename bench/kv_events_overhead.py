@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -126,7 +127,7 @@ def main() -> int:
         print(f"{cycle:<24}" + "".join(f"{statistics.median(samples[v][cycle]):>12,.0f}" for v in variants)
               + f"{qo['p50']:>14.3f} [{qo['p20']:.3f}-{qo['p80']:.3f}]{qn['p50']:>13.3f}")
         params = {"cycle": cycle, "rounds": args.rounds, "threads": 1, "clock": "cpu",
-                  "machine": "2 cores shared by 8 sessions"}
+                  "load_avg_1m": round(os.getloadavg()[0], 2)}
         for v in variants:
             q = percentiles(samples[v][cycle])
             rows.append(make_row("kv_events", v, "ops_per_s", "ops/s", q["p50"], params=params, **q))
