@@ -68,12 +68,13 @@ from dataclasses import dataclass
 
 import torch
 
+from servelab._internal.conformance import check_conforms
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
 from servelab.blocks.events import KVEventSource, KVEventSubscriber, event_fields, make_publisher
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.hashing import BlockHash
-from servelab.blocks.interfaces import EvictionPolicy
+from servelab.blocks.interfaces import BlockPoolProtocol, EvictionPolicy
 from servelab.blocks.kv_cache_manager import PrefixCacheStats, _request_id
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import (
@@ -251,7 +252,7 @@ class HybridKVCacheManager(KVEventSource):
 
     def __init__(self, groups: Sequence[KVCacheGroup | KVCacheSpec], num_blocks: int, enable_caching: bool = True,
                  *, max_model_len: int | None = None, watermark: float = 0.0,
-                 eviction_policy: str | EvictionPolicy | None = None, block_pool: BlockPool | None = None,
+                 eviction_policy: str | EvictionPolicy | None = None, block_pool: BlockPoolProtocol | None = None,
                  kv_events: bool = False,
                  kv_event_subscribers: Iterable[KVEventSubscriber] | KVEventSubscriber | None = None) -> None:
         self.groups, self.block_size, self.hit_alignment = check_groups(groups)
@@ -269,8 +270,10 @@ class HybridKVCacheManager(KVEventSource):
         elif eviction_policy is not None:
             raise ValueError("eviction_policy applies to the pool the manager builds; with block_pool= "
                              "give the policy to that BlockPool instead")
-        if not isinstance(block_pool, BlockPool):
-            raise TypeError(f"block_pool must be a servelab.blocks.BlockPool, got {type(block_pool).__name__}")
+        check_conforms(block_pool, BlockPoolProtocol, "block_pool")  # any pool, as KVCacheManager takes
+        if not isinstance(block_pool.null_block, KVCacheBlock):
+            raise TypeError(f"block_pool ({type(block_pool).__name__}) hands out {type(block_pool.null_block).__name__} "
+                            "blocks; this manager needs KVCacheBlock objects")
         if block_pool.num_blocks != num_blocks or block_pool.enable_caching != enable_caching:
             raise ValueError("block_pool must have the manager's num_blocks and enable_caching")
         if block_pool.num_free_blocks != block_pool.num_blocks - 1:

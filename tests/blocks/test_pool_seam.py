@@ -174,3 +174,15 @@ def test_a_pool_that_does_not_conform_is_refused_naming_every_missing_member():
     with pytest.raises(TypeError, match="reference pool pairs with"):  # conforms, but its blocks are ints
         KVCacheManager(FULL, 12, block_pool=reference.BlockPool(12))
     assert isinstance(CountingPool(12), BlockPoolProtocol)
+
+
+def test_the_hybrid_manager_takes_the_same_pool_seam():
+    pool = CountingPool(24)
+    hybrid = HybridKVCacheManager([FULL, SLIDING], 24, block_pool=pool)
+    req = TokenSequence("a", list(range(9)), BS)
+    new = hybrid.allocate_slots(req, 9)
+    assert len(new) == 2 and pool.handed_out == sum(len(g) for g in new) > 0
+    with pytest.raises(TypeError, match=r"block_pool \(HalfAPool\) does not implement .*BlockPoolProtocol"):
+        HybridKVCacheManager([FULL, SLIDING], 12, block_pool=HalfAPool())
+    with pytest.raises(TypeError, match="needs KVCacheBlock objects"):
+        HybridKVCacheManager([FULL, SLIDING], 12, block_pool=reference.BlockPool(12))
