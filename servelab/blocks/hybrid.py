@@ -66,8 +66,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from servelab._internal.conformance import check_conforms
 from servelab._internal.validation import check_bool, check_int, check_number
 from servelab.blocks.block_pool import BlockPool
@@ -79,11 +77,10 @@ from servelab.blocks.kv_cache_manager import PrefixCacheStats, _request_id
 from servelab.blocks.request import KVCacheRequest
 from servelab.blocks.single_type import (
     FullAttentionManager,
-    SingleTypeManager,
-    SlidingWindowManager,
-    manager_class_for,
+    MambaStateManager,
+    group_manager,
 )
-from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec, max_chunk_alone
+from servelab.blocks.specs import AttentionSpec, KVCacheSpec, MambaSpec, max_chunk_alone
 
 __all__ = ["GroupBlockHashes", "HybridKVCacheManager", "KVCacheGroup", "MambaStateManager",
            "make_kv_cache_groups", "unify_page_sizes"]
@@ -181,30 +178,6 @@ class GroupBlockHashes(Sequence):
         return self._base[(i + 1) * self._k - 1] + self._tag
 
 
-class MambaStateManager(SlidingWindowManager):
-    """A Mamba group with prefix caching: one state block per ``block_size``
-    tokens (the kernel writes the state at each block boundary into it); a
-    prefix of ``L`` blocks is served by the state block ``L - 1`` alone, and
-    blocks before the previous boundary are released. That is exactly a
-    sliding window of ``block_size + 1`` tokens, which this reuses."""
-
-    def __init__(self, spec: MambaSpec, block_pool: BlockPool) -> None:
-        window = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=1, head_size=1,
-                                   dtype=torch.float32, sliding_window=spec.block_size + 1)
-        super().__init__(window, block_pool)
-        self.state_spec = spec
-
-
-def _group_manager(spec: KVCacheSpec, pool: BlockPool, enable_caching: bool) -> SingleTypeManager:
-    if isinstance(spec, MambaSpec) and enable_caching:
-        return MambaStateManager(spec, pool)
-    cls = manager_class_for(spec)
-    if enable_caching and not cls.supports_prefix_caching:
-        raise ValueError(f"enable_caching=True is not supported for {type(spec).__name__}: "
-                         f"{cls.no_prefix_caching_reason}")
-    return cls(spec, pool)
-
-
 def check_groups(groups: Sequence[KVCacheGroup | KVCacheSpec]) -> tuple[list[KVCacheGroup], int, int]:
     """Validate groups for a shared pool; returns (groups, hash_block_size, lcm block size)."""
     if isinstance(groups, (KVCacheGroup, KVCacheSpec)) or not groups:
@@ -263,7 +236,7 @@ class HybridKVCacheManager(KVEventSource):
         check_number("watermark", watermark, min_value=0.0, max_value=1.0, max_exclusive=True)
         check_int("num_blocks", num_blocks)
         for g in self.groups:  # refuse before building anything
-            _group_manager(g.spec, None, enable_caching)
+            group_manager(g.spec, None, enable_caching)
         if block_pool is None:
             block_pool = BlockPool(num_blocks, enable_caching,
                                    eviction_policy="lru" if eviction_policy is None else eviction_policy)
@@ -290,7 +263,7 @@ class HybridKVCacheManager(KVEventSource):
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * (num_blocks - 1))
-        self._managers = [_group_manager(g.spec, block_pool, enable_caching) for g in self.groups]
+        self._managers = [group_manager(g.spec, block_pool, enable_caching) for g in self.groups]
         self._ratios = [g.spec.block_size // self.block_size for g in self.groups]
         # Full attention first: its answer is usually the tightest cap.
         self._hit_order = sorted(range(len(self.groups)),

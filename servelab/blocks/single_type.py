@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 from servelab.blocks.block_pool import BlockPool
 from servelab.blocks.free_queue import KVCacheBlock
 from servelab.blocks.hashing import BlockHash
@@ -163,3 +165,29 @@ class MambaManager(SingleTypeManager):
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
         return []
+
+
+class MambaStateManager(SlidingWindowManager):
+    """A Mamba group with prefix caching: one state block per ``block_size``
+    tokens (the kernel writes the state at each block boundary into it); a
+    prefix of ``L`` blocks is served by the state block ``L - 1`` alone, and
+    blocks before the previous boundary are released. That is exactly a
+    sliding window of ``block_size + 1`` tokens, which this reuses."""
+
+    def __init__(self, spec: MambaSpec, block_pool: BlockPool) -> None:
+        window = SlidingWindowSpec(block_size=spec.block_size, num_kv_heads=1, head_size=1,
+                                   dtype=torch.float32, sliding_window=spec.block_size + 1)
+        super().__init__(window, block_pool)
+        self.state_spec = spec
+
+
+def group_manager(spec: KVCacheSpec, pool: BlockPool, enable_caching: bool) -> SingleTypeManager:
+    """The manager of one KV-cache group of ``spec`` over ``pool`` (``pool`` may be None to
+    validate only); ``ValueError`` when ``enable_caching`` is asked of a spec without prefix caching."""
+    if isinstance(spec, MambaSpec) and enable_caching:
+        return MambaStateManager(spec, pool)
+    cls = manager_class_for(spec)
+    if enable_caching and not cls.supports_prefix_caching:
+        raise ValueError(f"enable_caching=True is not supported for {type(spec).__name__}: "
+                         f"{cls.no_prefix_caching_reason}")
+    return cls(spec, pool)
