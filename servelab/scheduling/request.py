@@ -131,6 +131,29 @@ def _check_token_ids(token_ids: Sequence[int], name: str) -> list[int]:
     return ids
 
 
+def _checked_args(request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None,
+                  priority: int, arrival_time: float | None,
+                  eos_token_id: int | None) -> tuple[list[int], SamplingParams]:
+    """``Request``'s arguments checked (``ValueError`` / ``TypeError`` naming the argument):
+    the prompt as a fresh list, and the sampling parameters (the defaults when None)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+    prompt = _check_token_ids(prompt_token_ids, f"prompt_token_ids of request {request_id!r}")
+    if not prompt:
+        raise ValueError(f"request {request_id!r} has an empty prompt; at least one token is needed "
+                         "(the model needs a position to produce logits from)")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    elif not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    check_int("priority", priority)  # lower is served first
+    if arrival_time is not None:
+        check_number("arrival_time", arrival_time)
+    if eos_token_id is not None:
+        check_int("eos_token_id", eos_token_id, min_value=0)
+    return prompt, sampling_params
+
+
 class Request:
     """One request: prompt, sampling parameters, progress and timestamps.
 
@@ -173,21 +196,8 @@ class Request:
         mm_spans: Sequence[MultiModalSpan] = (),
         hash_fn: str = "sha256",
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
-        prompt = _check_token_ids(prompt_token_ids, f"prompt_token_ids of request {request_id!r}")
-        if not prompt:
-            raise ValueError(f"request {request_id!r} has an empty prompt; at least one token is needed "
-                             "(the model needs a position to produce logits from)")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        elif not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        check_int("priority", priority)  # lower is served first
-        if arrival_time is not None:
-            check_number("arrival_time", arrival_time)
-        if eos_token_id is not None:
-            check_int("eos_token_id", eos_token_id, min_value=0)
+        prompt, sampling_params = _checked_args(request_id, prompt_token_ids, sampling_params, priority,
+                                                arrival_time, eos_token_id)
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.sampling_params = sampling_params
