@@ -45,6 +45,13 @@ _EMPTY: list[int] = []
 _new_output = object.__new__
 
 
+def _take_drafts(req: Request, proposed: list[int], num_spec: int, max_len: int) -> None:
+    """``req``'s drafts for the next step: the first of ``proposed`` that fit ``num_spec`` and
+    ``max_model_len``."""
+    room = min(num_spec, max_len - req.num_tokens)
+    req.spec_token_ids = list(proposed[:room]) if room > 0 else []
+
+
 class RequestTransitions:
     """State changes of requests; see the module docstring."""
 
@@ -225,8 +232,7 @@ class RequestTransitions:
                         status = LENGTH_CAPPED
                     else:
                         if drafts_next is not None:
-                            room = min(num_spec, max_len - num_tokens)
-                            req.spec_token_ids = list(drafts_next[idx][:room]) if room > 0 else []
+                            _take_drafts(req, drafts_next[idx], num_spec, max_len)
                         if logprobs is None:  # a bare output: two fields set, the rest are class defaults
                             out = _new_output(RequestOutput)
                             out.request_id = rid
@@ -268,8 +274,7 @@ class RequestTransitions:
         if not toks or status is not None:
             return toks, status
         if model_output.spec_token_ids is not None and cfg.num_speculative_tokens:
-            room = min(cfg.num_speculative_tokens, cfg.max_model_len - req.num_tokens)
-            req.spec_token_ids = list(model_output.spec_token_ids[idx][:room]) if room > 0 else []
+            _take_drafts(req, model_output.spec_token_ids[idx], cfg.num_speculative_tokens, cfg.max_model_len)
         logprobs = model_output.logprobs
         outputs.append(RequestOutput(req.request_id, toks) if logprobs is None
                        else RequestOutput(req.request_id, toks, logprobs=logprobs[idx]))
