@@ -125,6 +125,15 @@ class BlockPool:
         if type(num_blocks) is not int or num_blocks < 0:
             check_int("num_blocks", num_blocks, min_value=0)
         queue = self.free_queue
+        if num_blocks == 1 and queue._len:  # one block (a decode crossing a block boundary): no loop
+            head = queue._head
+            node = head.next_free
+            head.next_free = nxt = node.next_free
+            nxt.prev_free = head
+            node.prev_free = node.next_free = None
+            node.ref_cnt = 1
+            queue._len -= 1
+            return [node]
         if num_blocks > queue._len:
             blocks = self._get_with_eviction(num_blocks)
             for block in blocks:
@@ -212,43 +221,21 @@ class BlockPool:
 
         Raises ValueError, changing nothing, if a block is already free or is
         listed more often than it is referenced."""
-        if self._lru is not None:
-            if type(blocks) is not list:
-                blocks = list(blocks)
-            mine = self.blocks
-            try:  # _own(held=True), inlined for the common case
-                for b in blocks:
-                    if mine[b.block_id] is not b or b.ref_cnt <= 0:
-                        self._check_held(b, "blocks")
-            except (AttributeError, IndexError, TypeError):
-                self._own(blocks, "blocks", held=True)  # raises the TypeError naming the argument
-            return self._free_lru(blocks)
-        blocks = self._own(blocks, "blocks", held=True)
-        queue, push = self.free_queue, self.eviction_policy.push
-        it = iter(blocks)  # what is left of it tells how far an undo must go
-        for block in it:
-            if block.is_null:
-                continue
-            if block.ref_cnt <= 0:  # listed more often than referenced
-                self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
-                raise ValueError(f"block {block.block_id} is listed more times than it is referenced; "
-                                 "each reference may be freed once")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    try:
-                        push(block)
-                    except BaseException:
-                        block.ref_cnt = 1
-                        self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
-                        raise
-
-    def _free_lru(self, blocks: list[KVCacheBlock]) -> None:
-        """``free_blocks`` with the built-in LRU policy: the queue links inlined
-        (empty blocks to the free queue's head, cached ones to the LRU tail)."""
-        queue, lru = self.free_queue, self._lru
+        lru = self._lru
+        if lru is None:
+            return self._free_to_policy(blocks)
+        # The built-in LRU policy (the hot path, kept in one frame): the check of _own(held=True) and
+        # the queue links inlined (empty blocks to the free queue's head, cached ones to the LRU tail).
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        mine = self.blocks
+        try:
+            for b in blocks:
+                if mine[b.block_id] is not b or b.ref_cnt <= 0:
+                    self._check_held(b, "blocks")
+        except (AttributeError, IndexError, TypeError):
+            self._own(blocks, "blocks", held=True)  # raises the TypeError naming the argument
+        queue = self.free_queue
         head, tail = queue._head, lru._tail
         num_empty = num_cached = 0
         for k, block in enumerate(blocks):
@@ -277,6 +264,30 @@ class BlockPool:
                 num_cached += 1
         queue._len += num_empty
         lru._len += num_cached
+
+    def _free_to_policy(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``free_blocks`` with any other eviction policy: cached blocks go to its ``push``."""
+        blocks = self._own(blocks, "blocks", held=True)
+        queue, push = self.free_queue, self.eviction_policy.push
+        it = iter(blocks)  # what is left of it tells how far an undo must go
+        for block in it:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:  # listed more often than referenced
+                self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
+                raise ValueError(f"block {block.block_id} is listed more times than it is referenced; "
+                                 "each reference may be freed once")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    queue.appendleft(block)
+                else:
+                    try:
+                        push(block)
+                    except BaseException:
+                        block.ref_cnt = 1
+                        self._undo_free(blocks[: len(blocks) - len(list(it)) - 1])
+                        raise
 
     def _undo_free(self, done: list[KVCacheBlock]) -> None:
         """Give back the references ``free_blocks`` dropped from ``done``
