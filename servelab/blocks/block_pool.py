@@ -125,9 +125,10 @@ class BlockPool:
         if type(num_blocks) is not int or num_blocks < 0:
             check_int("num_blocks", num_blocks, min_value=0)
         queue = self.free_queue
-        if num_blocks == 1 and queue._len:  # one block (a decode crossing a block boundary): no loop
+        # One block (a decode crossing a block boundary): no loop. (The head's successor is never None,
+        # the queue has a tail sentinel; the test only narrows the type.)
+        if num_blocks == 1 and queue._len and (node := queue._head.next_free) is not None:
             head = queue._head
-            node = head.next_free
             head.next_free = nxt = node.next_free
             nxt.prev_free = head
             node.prev_free = node.next_free = None
