@@ -370,9 +370,12 @@ class Pipeline(BatchRuns, OutputDelivery):
         try:
             self.scheduler.abort_request(request_id)
         except BaseException as exc:  # the scheduler's end path raised (a policy hook): never leave it running
-            if request_id in self.scheduler.requests:
-                self.scheduler.fail_requests([request_id], f"abort failed: {type(exc).__name__}: {exc}")
             interrupted = None if isinstance(exc, Exception) else exc
+            if request_id in self.scheduler.requests:
+                try:
+                    self.scheduler.fail_requests([request_id], f"abort failed: {type(exc).__name__}: {exc}")
+                except BaseException as again:  # interrupted in its end path too: ended all the same
+                    interrupted = interrupted or (None if isinstance(again, Exception) else again)
         try:
             text = self._flush(tracked)
         except Exception:  # a tokenizer failing here must not keep the request alive

@@ -253,3 +253,29 @@ def test_speculation_on_but_nothing_proposed_is_said_so(tiny):
     plain = Pipeline.from_pretrained(tiny["llama"])
     plain.generate([[1, 7]], SamplingParams(temperature=0.0, max_tokens=1))
     assert "no speculative decoding" in plain.last_run_metrics.table()
+
+
+def test_an_abort_interrupted_twice_still_ends_the_request_everywhere(tiny):
+    """Found by the fault machine: the scheduler's abort raises, and its fallback (failing the request)
+    is interrupted in the policy's end hook. The request must still end in the pipeline and the runner
+    (no row left behind), and the Ctrl-C must come through."""
+    pipe = Pipeline.from_pretrained(tiny["llama"], block_size=4)
+    rid = pipe.add_request(PROMPTS[0], GREEDY)
+    pipe.step()  # the runner now holds the request
+
+    def broken_abort(request_id, *args, **kwargs):
+        raise RuntimeError("injected")
+
+    def interrupted_hook(request):
+        raise KeyboardInterrupt("injected")
+
+    pipe.scheduler.finish_request = broken_abort
+    pipe.scheduler.policy.on_request_finished = interrupted_hook
+    with pytest.raises(KeyboardInterrupt):
+        pipe.abort_request(rid)
+    del pipe.scheduler.finish_request, pipe.scheduler.policy.on_request_finished
+    assert pipe.get_output(rid).finish_reason == "abort"
+    assert rid not in pipe.runner.requests
+    assert not pipe.scheduler.requests
+    pipe.step()  # delivers the scheduler's pending final output; nothing comes back to life
+    assert_no_leaks(pipe)
