@@ -127,8 +127,7 @@ class BlockPool:
         queue = self.free_queue
         # One block (a decode crossing a block boundary): no loop. (The head's successor is never None,
         # the queue has a tail sentinel; the test only narrows the type.)
-        if num_blocks == 1 and queue._len and (node := queue._head.next_free) is not None:
-            head = queue._head
+        if num_blocks == 1 and queue._len and (node := (head := queue._head).next_free) is not None:
             head.next_free = nxt = node.next_free
             nxt.prev_free = head
             node.prev_free = node.next_free = None
