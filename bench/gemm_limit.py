@@ -4,12 +4,18 @@ For batch sizes 1, 16, 64 (``--batches``): ``B`` requests with ``--context``-tok
 prompts are admitted and prefilled, then every following ``Pipeline.step()``
 is a pure decode step of ``B`` tokens, timed one by one (median of
 ``--rounds`` x ``--steps``, in rounds alternating with the GEMM-only timing).
-Beside it, the *GEMM-only* time of that step: the model's own
+Beside it, the *GEMM-only* time of that step, two ways, on the model's own
 weight matrices (fused QKV, O, fused gate-up, down per layer, plus the LM head
-on the ``B`` sampled rows), ``torch.matmul`` on a ``[B, in]`` activation in a
-loop, nothing else. ``step / GEMM`` is the pipeline's "fraction of the
-physical limit" on a CPU: 1.0 would mean attention, norms, RoPE, scheduling,
-sampling and bookkeeping cost nothing.
+on the ``B`` sampled rows), a ``[B, in]`` activation in a loop, nothing else:
+
+- ``gemm_only_step``: the kernel the model itself runs, each layer's own
+  ``forward`` (on a CPU in float32, oneDNN on weights packed once:
+  :mod:`servelab.models.linear`). ``step / GEMM`` (``step_over_gemm``) is the
+  pipeline's "fraction of the physical limit": 1.0 would mean attention,
+  norms, RoPE, scheduling, sampling and bookkeeping cost nothing.
+- ``matmul_only_step``: ``torch.matmul`` on the dense weights, the GEMM a
+  plain PyTorch model runs (and this benchmark's yardstick before weights
+  were packed); ``step_over_matmul`` is the step against it.
 
     python bench/gemm_limit.py --model smollm2-shape          # rows into bench/results/results.csv
     python bench/gemm_limit.py --model tiny --batches 1,16
@@ -47,27 +53,34 @@ def percentiles(samples: list[float]) -> tuple[float, float, float]:
     return q[1], statistics.median(samples), q[7]
 
 
-def gemm_only(model, batch: int, steps: int) -> list[float]:
-    """Seconds per step of the model's GEMMs alone on a ``[batch, in]`` activation."""
-    mats = []
+def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
+    """Seconds per step of the model's GEMMs alone on a ``[batch, in]`` activation:
+    ``kernel="model"`` each layer's own forward (and ``lm_head_gemm``), ``"matmul"``
+    ``torch.matmul`` on the dense weights."""
+    layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        mats += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-    mats.append(model.lm_head_weight)
-    mats = [w.t() for w in mats]  # [in, out] views: matmul(x, w) = F.linear(x, weight)
-    inputs = {w.shape[0]: torch.randn(batch, w.shape[0], dtype=w.dtype) for w in mats}
+        layers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if kernel == "model":
+        calls = [(layer.in_features, layer) for layer in layers]
+        calls.append((model.lm_head_weight.shape[1], model.lm_head_gemm))
+    else:
+        weights = [layer.weight.t() for layer in layers] + [model.lm_head_weight.t()]  # [in, out] views
+        calls = [(w.shape[0], lambda x, w=w: torch.matmul(x, w)) for w in weights]
+    dtype = model.lm_head_weight.dtype
+    inputs = {width: torch.randn(batch, width, dtype=dtype) for width, _ in calls}
     times = []
     with torch.inference_mode():
         for _ in range(steps + 2):
             start = time.perf_counter()
-            for w in mats:
-                torch.matmul(inputs[w.shape[0]], w)
+            for width, call in calls:
+                call(inputs[width])
             times.append(time.perf_counter() - start)
     return times[2:]
 
 
 def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: int,
-                    threads: list[int]) -> dict[int, tuple[list[float], list[float]]]:
+                    threads: list[int]) -> dict[int, tuple[list[float], list[float], list[float]]]:
     """Per thread count: seconds per ``Pipeline.step()`` once every request is decoding, and
     per GEMM-only step, measured in alternating rounds of ``steps`` each (a shared machine's
     speed drifts over seconds; interleaving gives both, and every thread count, the same
@@ -80,16 +93,17 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    out: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in threads}
+    out: dict[int, tuple[list[float], list[float], list[float]]] = {t: ([], [], []) for t in threads}
     for _ in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            times, gemms = out[t]
+            times, gemms, matmuls = out[t]
             for _ in range(steps):
                 start = time.perf_counter()
                 pipe.step()
                 times.append(time.perf_counter() - start)
-            gemms += gemm_only(model, len(prompts), steps)
+            gemms += gemm_only(model, len(prompts), steps, "model")
+            matmuls += gemm_only(model, len(prompts), steps, "matmul")
     for rid in rids:
         pipe.abort_request(rid)
     while pipe.has_unfinished_requests():
@@ -127,27 +141,30 @@ def main() -> int:
     # pool. A fresh pool is allocated without zero-fill, so without this every
     # first write to a page is a page fault inside the timed decode step.
     pipe.kv_caches.buffer.zero_()
-    rows, lines = [], []
+    lines = []
     print(f"model {args.model}, backend {args.backend}, threads {threads}, context {args.context}\n")
-    print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms (p20/p50/p80) | step / GEMM |\n"
-          "|---|---|---|---|---|")
+    print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms, model's kernel (p20/p50/p80) | "
+          "step / GEMM | torch.matmul-only ms | step / matmul |\n|---|---|---|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
         timed = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds, threads)
         for t in threads:
-            step, gemm = percentiles(timed[t][0]), percentiles(timed[t][1])
-            ratio = step[1] / gemm[1]
+            step, gemm, matmul = (percentiles(samples) for samples in timed[t])
+            ratio, matmul_ratio = step[1] / gemm[1], step[1] / matmul[1]
             print(f"| {batch} | {t} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
-                  f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} |", flush=True)
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} | "
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} |", flush=True)
             params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend, threads=t,
-                          steps=args.steps * args.rounds,
+                          steps=args.steps * args.rounds, packed_weights=model.pack_weights,
                           omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
-            rows += [
+            items = [
                 ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
                 ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
                 ("step_over_gemm", "ratio", ratio, None),
+                ("matmul_only_step", "ms", 1e3 * matmul[1], [1e3 * m for m in matmul]),
+                ("step_over_matmul", "ratio", matmul_ratio, None),
             ]
-            lines.append((params, rows[-3:]))
+            lines.append((params, items))
     if not args.no_record:
         from results_io import append_rows, make_row
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RotaryEmbedding, apply_rotary
+from servelab.models.linear import Linear
 from servelab.models.llama import LlamaForCausalLM, _StepAttention, layer_attentions
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
@@ -61,8 +62,8 @@ class GeGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype=None, device=None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -121,8 +122,8 @@ class Gemma2Attention(nn.Module):
         self.scale = float(hf.query_pre_attn_scalar) ** -0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         kw = dict(dtype=dtype, device=device)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
 
     def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
@@ -175,6 +176,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.attention = attention
         self.check_inputs = True
+        self.pack_weights = True
         self.attn_softcap = config.hf_config.attn_logit_softcapping
         self.final_softcap = config.hf_config.final_logit_softcapping
         self.model = nn.Module()
@@ -182,7 +184,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.model.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, **kw)
                                           for i in range(config.num_hidden_layers))
         self.model.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False, **kw)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -207,7 +209,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 ``[n, vocab]``, soft-capped by ``final_logit_softcapping``."""
-        logits = F.linear(hidden_states, self.lm_head_weight)
+        logits = self.lm_head_gemm(hidden_states)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

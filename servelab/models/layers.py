@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelab.models.config import ModelConfig
+from servelab.models.linear import Linear
 
 
 _FUSED_NORM_DTYPES = (torch.float32, torch.float64) if hasattr(torch, "rms_norm") else ()
@@ -53,8 +54,8 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, n = self.gate_up_proj(x), self.intermediate_size

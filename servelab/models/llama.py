@@ -28,13 +28,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelab.attention import ops as attention_ops
 from servelab.attention.backends import AttentionBackend
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from servelab.models.linear import Linear, PackedWeight, linear
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -183,8 +183,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         # Rows: [q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)].
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:
@@ -261,6 +261,9 @@ class LlamaForCausalLM(nn.Module):
             checks the metadata (shapes and values: slot and block ranges);
             set False in tight loops whose metadata is built correctly (the
             pipeline does).
+        pack_weights: when True (default) the linear layers and the LM head run on
+            weights packed for oneDNN on a CPU (:mod:`servelab.models.linear`); set
+            it with :func:`servelab.models.linear.set_weight_packing`.
     """
 
     def __init__(self, config: ModelConfig, attention: Any = None, *,
@@ -269,10 +272,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attention = attention  # resolved by the property setter
         self.check_inputs = True
+        self.pack_weights = True
         self.model = LlamaModel(config, dtype=dtype, device=device)
         # Tied: the head reuses embed_tokens.weight (no second parameter, so
         # tying survives .to() / to_empty()).
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -374,7 +378,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab_size]`` (GEMM in the model dtype, as HF)."""
-        return F.linear(hidden_states, self.lm_head_weight).float()
+        return self.lm_head_gemm(hidden_states).float()
+
+    def lm_head_gemm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab_size]`` in the model dtype: the LM-head GEMM on
+        :attr:`lm_head_weight`, packed on a CPU like every :class:`~servelab.models.linear.Linear`
+        (its own packed copy, so a tied embedding stays a plain lookup table)."""
+        cache = self.__dict__.get("_lm_head_packed")
+        if cache is None:
+            cache = PackedWeight()
+            object.__setattr__(self, "_lm_head_packed", cache)  # derived state: not a buffer
+        if not self.pack_weights:
+            cache.clear()
+            return linear(hidden_states, self.lm_head_weight, None, None)
+        return linear(hidden_states, self.lm_head_weight, None, cache)
 
     def _check(self, input_ids, positions, caches, metadata: AttentionMetadata) -> None:
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):

@@ -1,0 +1,169 @@
+"""Linear layers whose CPU GEMM runs on weights packed once for oneDNN; ``F.linear`` is the reference.
+
+Why: torch's default float32 GEMM on a CPU re-reads each weight in its
+checkpoint layout on every call. oneDNN can reorder a weight once into the
+blocked layout its micro-kernels stream (``torch.ops.mkldnn._reorder_linear_weight``,
+what torch's own Inductor CPU backend does to frozen weights) and then run
+every call on it (``torch.ops.mkldnn._linear_pointwise``). On SmolLM2-135M's
+shapes on a 2-core AMD EPYC (Zen 4) the decoder's GEMMs took, per forward:
+
+==========  ================  ===========
+rows        ``F.linear``      packed
+==========  ================  ===========
+1           24.7 ms           19.4 ms
+16          86.8 ms           50.5 ms
+512         1614 ms           1340 ms
+==========  ================  ===========
+
+(1 thread; 2 threads 1.5-1.9x at 1-64 rows). That is most of a decode step,
+so packing is on by default for float32 models on a CPU.
+
+Numerics: a different GEMM sums in a different order, so results differ
+from ``F.linear`` in the last bits (both stay within the float32 error
+bound of a ``K``-term dot product; ``tests/models/test_linear.py`` holds
+both to it against float64). Greedy tokens are checked against
+transformers with packing on.
+
+Memory: the packed copy sits beside the dense weight (which stays the
+parameter: state dicts, ``.to()``, weight loading and tied embeddings keep
+working), so a packed layer holds its weight twice. The copy is made on the
+first CPU forward and remade when the weight changes (its storage pointer
+or torch's in-place version counter moved). Turn packing off per model
+with :func:`set_weight_packing` (``load_model(..., pack_weights=False)``).
+
+Refusals: packing applies only where :func:`packing_unavailable_reason`
+returns ``None`` (a CPU tensor of a packed dtype, a torch built with
+oneDNN); elsewhere, and whenever autograd must see the GEMM, the layer runs
+``F.linear`` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: dtypes packed. bfloat16/float16 CPU GEMMs already go through oneDNN in
+#: torch, and their rounding is held to transformers' bit for bit elsewhere.
+PACKED_DTYPES = (torch.float32,)
+#: the row count oneDNN picks the blocked layout for (the layout serves
+#: every row count; 16 measured as fast as 64 or 512 at those row counts).
+BATCH_HINT = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _ops_unavailable_reason() -> str | None:
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+    except (AttributeError, RuntimeError, TypeError) as exc:  # an older or different torch
+        return f"torch.ops.mkldnn linear packing is not usable here ({type(exc).__name__}: {exc})"
+    if out.tolist() != [[2.0, 2.0]]:
+        return "torch.ops.mkldnn._linear_pointwise returned a wrong result on a probe"
+    return None
+
+
+def packing_unavailable_reason(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """``None`` when a weight of ``dtype`` on ``device`` can be packed, else why not."""
+    if torch.device(device).type != "cpu":
+        return f"device {device} is not a CPU (packing is a oneDNN CPU layout)"
+    if dtype not in PACKED_DTYPES:
+        return f"dtype {dtype} is not packed (packed dtypes: {', '.join(map(str, PACKED_DTYPES))})"
+    return _ops_unavailable_reason()
+
+
+class PackedWeight:
+    """The packed copy of one weight, remade whenever that weight changes.
+
+    Not a buffer or parameter: derived state, never saved, invisible to
+    ``state_dict`` and ``.to()``.
+    """
+
+    __slots__ = ("packed", "key")
+
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+        self.key: tuple | None = None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed ``weight`` ``[out, in]`` (an opaque oneDNN tensor)."""
+        key = (weight.data_ptr(), _version(weight), weight.shape)
+        if key != self.key:
+            self.packed = None  # drop the stale copy before making the new one (peak memory)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            self.key = key
+        return self.packed  # type: ignore[return-value]
+
+    def clear(self) -> None:
+        self.packed, self.key = None, None
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version
+    except RuntimeError:  # an inference-mode tensor has no version counter (and cannot be
+        return None       # modified in place outside inference mode)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           cache: PackedWeight | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``.
+
+    Runs on ``cache``'s packed weight when ``cache`` is given, ``x`` and
+    ``weight`` share a packed dtype on a CPU, and autograd need not record
+    the op; otherwise (and as the reference) ``F.linear``.
+    """
+    if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
+            or x.device.type != "cpu" or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or _ops_unavailable_reason() is not None):
+        return F.linear(x, weight, bias)
+    if bias is not None and bias.dtype is not x.dtype:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that packs its weight on a CPU (see the module docs); same parameters, same state dict.
+
+    Attributes:
+        pack_weights: when False, always ``F.linear`` (and the packed copy is dropped).
+    """
+
+    pack_weights: bool = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self._packed_weight() if self.pack_weights else None)
+
+    def _packed_weight(self) -> PackedWeight:
+        cache = self.__dict__.get("_packed")
+        if cache is None:
+            cache = PackedWeight()
+            object.__setattr__(self, "_packed", cache)  # not a submodule, buffer or parameter
+        return cache
+
+
+def set_weight_packing(model: nn.Module, enabled: bool) -> int:
+    """Turn weight packing on or off for every :class:`Linear` in ``model`` (and its LM head,
+    when the model declares ``pack_weights``); returns how many layers were set. Turning it
+    off frees the packed copies."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_weights = enabled
+            if not enabled:
+                module._packed_weight().clear()
+            count += 1
+    for module in model.modules():  # the LM head (LlamaForCausalLM.lm_head_gemm)
+        if hasattr(module, "lm_head_gemm"):
+            object.__setattr__(module, "pack_weights", enabled)  # a plain attribute (typed as one)
+            cache = module.__dict__.get("_lm_head_packed")
+            if cache is not None and not enabled:
+                cache.clear()
+    return count
