@@ -16,7 +16,10 @@ rows        ``F.linear``      packed
 ==========  ================  ===========
 
 (1 thread; 2 threads 1.5-1.9x at 1-64 rows). That is most of a decode step,
-so packing is on by default for float32 models on a CPU.
+so packing is on by default for float32 models on a CPU. A packed call has
+a fixed cost of its own (~15-25 us there), so small weights, and
+single-row calls on mid-sized ones, stay on ``F.linear``
+(:data:`MIN_PACKED_ELEMENTS`, :data:`MIN_PACKED_ELEMENTS_ONE_ROW`).
 
 Numerics: a different GEMM sums in a different order, so results differ
 from ``F.linear`` in the last bits (both stay within the float32 error
@@ -51,6 +54,15 @@ PACKED_DTYPES = (torch.float32,)
 #: the row count oneDNN picks the blocked layout for (the layout serves
 #: every row count; 16 measured as fast as 64 or 512 at those row counts).
 BATCH_HINT = 16
+#: smallest weight (``out * in`` elements) packed: a packed call costs a fixed
+#: ~15-25 us more than ``F.linear`` on the machine above, which a weight of
+#: 256x256 (16 us at 8 rows) never wins back; from 2^18 elements on, packed
+#: was as fast or faster at 2 rows and more.
+MIN_PACKED_ELEMENTS = 1 << 18
+#: smallest weight packed for a single-row call: at one row ``F.linear`` is a
+#: matrix-vector product, as fast as packed up to ~1M elements (SmolLM2's
+#: layers: 50/50 us, 70/69 us) and slower beyond (its LM head: 12.1 vs 9.6 ms).
+MIN_PACKED_ELEMENTS_ONE_ROW = 1 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,8 +126,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``.
 
     Runs on ``cache``'s packed weight when ``cache`` is given, ``x`` and
-    ``weight`` share a packed dtype on a CPU, and autograd need not record
-    the op; otherwise (and as the reference) ``F.linear``.
+    ``weight`` share a packed dtype on a CPU, autograd need not record the
+    op, and the weight is large enough to gain (:data:`MIN_PACKED_ELEMENTS`,
+    :data:`MIN_PACKED_ELEMENTS_ONE_ROW` for one row); otherwise (and as the
+    reference) ``F.linear``.
     """
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
             or x.device.type != "cpu" or weight.device.type != "cpu"
@@ -124,6 +138,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if bias is not None and bias.dtype is not x.dtype:
         return F.linear(x, weight, bias)
+    size = weight.numel()
+    if size < MIN_PACKED_ELEMENTS or (size < MIN_PACKED_ELEMENTS_ONE_ROW and x.numel() <= x.shape[-1]):
+        return F.linear(x, weight, bias)  # too small to win back the packed call's fixed cost
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 
 

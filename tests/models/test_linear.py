@@ -3,14 +3,23 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servelab.models import build_tiny_model, load_model
+from servelab.models import linear as linear_module
 from servelab.models.linear import Linear, linear, packing_unavailable_reason, set_weight_packing
 
 PACKS = packing_unavailable_reason(torch.float32, "cpu") is None
 needs_packing = pytest.mark.skipif(not PACKS, reason=str(packing_unavailable_reason(torch.float32, "cpu")))
+
+
+@pytest.fixture
+def pack_every_size(monkeypatch):
+    """Pack weights of any size and row count (the size thresholds are a speed choice; the
+    numerics under test are the packed kernel's). Constant for every hypothesis example."""
+    monkeypatch.setattr(linear_module, "MIN_PACKED_ELEMENTS", 0)
+    monkeypatch.setattr(linear_module, "MIN_PACKED_ELEMENTS_ONE_ROW", 0)
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -25,10 +34,10 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @needs_packing
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 40), k=st.integers(1, 200), n=st.integers(1, 200), has_bias=st.booleans(),
        leading=st.sampled_from([(), (3,)]), scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**16))
-def test_packed_linear_is_within_the_float32_bound_of_float64(rows, k, n, has_bias, leading, scale, seed):
+def test_packed_linear_is_within_the_float32_bound_of_float64(pack_every_size, rows, k, n, has_bias, leading, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(k, n, bias=has_bias).requires_grad_(False)
     with torch.no_grad():
@@ -47,7 +56,7 @@ def test_packed_linear_is_within_the_float32_bound_of_float64(rows, k, n, has_bi
 
 
 @needs_packing
-def test_a_weight_changed_in_place_or_replaced_is_repacked():
+def test_a_weight_changed_in_place_or_replaced_is_repacked(pack_every_size):
     layer = Linear(32, 24, bias=False).requires_grad_(False)
     x = torch.randn(5, 32)
     first = layer(x)
@@ -77,7 +86,7 @@ def test_autograd_sees_the_plain_gemm():
 
 
 @needs_packing
-def test_set_weight_packing_switches_every_layer_and_the_lm_head(tmp_path):
+def test_set_weight_packing_switches_every_layer_and_the_lm_head(pack_every_size, tmp_path):
     model, config = load_model(build_tiny_model(tmp_path / "tiny", seed=0))
     hidden = torch.randn(4, config.hidden_size)
     packed_logits = model.compute_logits(hidden)
@@ -102,3 +111,18 @@ def test_set_weight_packing_switches_every_layer_and_the_lm_head(tmp_path):
 def test_linear_function_without_a_cache_is_f_linear():
     x, w, b = torch.randn(3, 5), torch.randn(7, 5), torch.randn(7)
     assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))
+
+
+@needs_packing
+def test_small_weights_and_single_rows_of_mid_sized_weights_stay_on_f_linear():
+    small = Linear(64, 64, bias=False).requires_grad_(False)  # 4,096 elements
+    x = torch.randn(8, 64)
+    assert torch.equal(small(x), F.linear(x, small.weight)) and small._packed_weight().key is None
+    mid = Linear(1024, 512, bias=False).requires_grad_(False)  # 2^19: packed from 2 rows on
+    row = torch.randn(1, 1024)
+    assert torch.equal(mid(row), F.linear(row, mid.weight)) and mid._packed_weight().key is None
+    mid(torch.randn(2, 1024))
+    assert mid._packed_weight().key is not None
+    big = Linear(1024, 1024, bias=False).requires_grad_(False)  # 2^20: packed even for one row
+    big(row)
+    assert big._packed_weight().key is not None
