@@ -1,10 +1,10 @@
 """Does the roofline predict the real pipeline's step times on this CPU? And what does it say for GPUs?
 
 1. Measure this machine (1 thread) by microbenchmarks, never from SmolLM2's own step times:
-   SmolLM2-135M's decoder GEMMs alone (``F.linear`` over every fused weight once, as the pipeline
-   calls them) at 1, 2, 4, ... 256 rows give the achievable rate per shape class (the best is
+   SmolLM2-135M's decoder GEMMs alone (every fused weight once, through the pipeline's own call:
+   oneDNN on weights packed once, :mod:`servelab.models.linear`) at 1, 2, 4, ... 256 rows give the achievable rate per shape class (the best is
    ``peak_flops``, each class's share the ``gemm_efficiency_curve``; a few rows reach far less than
-   their weight-streaming time says) and at 1 row the weight-streaming bandwidth; the pipeline's
+   their weight-streaming time says) and the fastest weight streaming the bandwidth; the pipeline's
    fixed host time per step and per sequence comes from carried decode steps at batch 1 and 16 of
    a 30-layer model 64 wide (SmolLM2's layer count: the per-layer launches; negligible GEMMs).
    These are the ``cpu-measured`` entry of ``hardware.json``.
@@ -65,18 +65,23 @@ def smollm2_weights():
 
 
 def gemm_only_step(weights, tokens: int, repeats: int = 5) -> float:
-    """CPU seconds of ``F.linear`` (the pipeline's call) over every weight once on ``tokens`` rows
-    (median of ``repeats``)."""
+    """CPU seconds of the pipeline's GEMM call (``servelab.models.linear.linear``: oneDNN on a
+    weight packed once where that applies, else ``F.linear``) over every weight once on
+    ``tokens`` rows (median of ``repeats``)."""
     import torch
-    import torch.nn.functional as F
+
+    from servelab.models.linear import PackedWeight, linear
 
     xs = {w.shape[1]: torch.randn(tokens, w.shape[1]) for w in weights}
+    packs = [PackedWeight() for _ in weights]
     times = []
     with torch.inference_mode():
+        for w, pack in zip(weights, packs):  # pack outside the timing, as the model does once
+            linear(xs[w.shape[1]], w, None, pack)
         for _ in range(repeats):
             t = CLOCK()
-            for w in weights:
-                F.linear(xs[w.shape[1]], w)
+            for w, pack in zip(weights, packs):
+                linear(xs[w.shape[1]], w, None, pack)
             times.append(CLOCK() - t)
     return statistics.median(times)
 
@@ -84,13 +89,17 @@ def gemm_only_step(weights, tokens: int, repeats: int = 5) -> float:
 def measure_gemms() -> dict:
     """Achievable GEMM rate per shape class: the decoder layers' GEMMs alone at each of
     :data:`GEMM_ROWS` rows. The best rate is ``peak_flops``, each class's share of it the
-    ``gemm_efficiency_curve``; the 1-row time gives the weight-streaming bandwidth."""
+    ``gemm_efficiency_curve``; the fastest weight streaming over the row counts, the bandwidth."""
     layers, _ = smollm2_weights()
     params = sum(w.numel() for w in layers)
     gemm_only_step(layers, 1, repeats=2)  # warm-up
     rates = {m: 2 * params * m / gemm_only_step(layers, m) for m in GEMM_ROWS}
     peak = max(rates.values())
-    return dict(peak_flops=peak, mem_bw=4 * params * rates[1] / (2 * params),
+    # Every GEMM reads every weight once, so fp32 weight bytes / time bounds the bandwidth from below
+    # at any row count; the tightest bound is the best one (with packed weights one row runs a GEMM
+    # kernel, not a matrix-vector one, and streams slower than 2-8 rows do).
+    mem_bw = max(4 * params * rate / (2 * params * m) for m, rate in rates.items())
+    return dict(peak_flops=peak, mem_bw=mem_bw,
                 gemm_efficiency_curve=tuple((m, r / peak) for m, r in rates.items()))
 
 

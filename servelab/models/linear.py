@@ -17,9 +17,8 @@ rows        ``F.linear``      packed
 
 (1 thread; 2 threads 1.5-1.9x at 1-64 rows). That is most of a decode step,
 so packing is on by default for float32 models on a CPU. A packed call has
-a fixed cost of its own (~15-25 us there), so small weights, and
-single-row calls on mid-sized ones, stay on ``F.linear``
-(:data:`MIN_PACKED_ELEMENTS`, :data:`MIN_PACKED_ELEMENTS_ONE_ROW`).
+a fixed cost of its own (~15-25 us there), so small weights stay on
+``F.linear`` (:data:`MIN_PACKED_ELEMENTS`).
 
 Numerics: a different GEMM sums in a different order, so results differ
 from ``F.linear`` in the last bits (both stay within the float32 error
@@ -56,13 +55,10 @@ PACKED_DTYPES = (torch.float32,)
 BATCH_HINT = 16
 #: smallest weight (``out * in`` elements) packed: a packed call costs a fixed
 #: ~15-25 us more than ``F.linear`` on the machine above, which a weight of
-#: 256x256 (16 us at 8 rows) never wins back; from 2^18 elements on, packed
-#: was as fast or faster at 2 rows and more.
+#: 256x256 (16 us at 8 rows) never wins back. From 2^18 elements on, packed
+#: was as fast or faster from 2 rows on, and at one row over SmolLM2's whole
+#: layer stack (weights streaming from memory, as in a step: 28.8 vs 30.9 ms).
 MIN_PACKED_ELEMENTS = 1 << 18
-#: smallest weight packed for a single-row call: at one row ``F.linear`` is a
-#: matrix-vector product, as fast as packed up to ~1M elements (SmolLM2's
-#: layers: 50/50 us, 70/69 us) and slower beyond (its LM head: 12.1 vs 9.6 ms).
-MIN_PACKED_ELEMENTS_ONE_ROW = 1 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,9 +123,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     Runs on ``cache``'s packed weight when ``cache`` is given, ``x`` and
     ``weight`` share a packed dtype on a CPU, autograd need not record the
-    op, and the weight is large enough to gain (:data:`MIN_PACKED_ELEMENTS`,
-    :data:`MIN_PACKED_ELEMENTS_ONE_ROW` for one row); otherwise (and as the
-    reference) ``F.linear``.
+    op, and the weight is large enough to gain (:data:`MIN_PACKED_ELEMENTS`);
+    otherwise (and as the reference) ``F.linear``.
     """
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
             or x.device.type != "cpu" or weight.device.type != "cpu"
@@ -138,8 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return F.linear(x, weight, bias)
     if bias is not None and bias.dtype is not x.dtype:
         return F.linear(x, weight, bias)
-    size = weight.numel()
-    if size < MIN_PACKED_ELEMENTS or (size < MIN_PACKED_ELEMENTS_ONE_ROW and x.numel() <= x.shape[-1]):
+    if weight.numel() < MIN_PACKED_ELEMENTS:
         return F.linear(x, weight, bias)  # too small to win back the packed call's fixed cost
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 

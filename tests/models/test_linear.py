@@ -16,10 +16,9 @@ needs_packing = pytest.mark.skipif(not PACKS, reason=str(packing_unavailable_rea
 
 @pytest.fixture
 def pack_every_size(monkeypatch):
-    """Pack weights of any size and row count (the size thresholds are a speed choice; the
-    numerics under test are the packed kernel's). Constant for every hypothesis example."""
+    """Pack weights of any size (the size threshold is a speed choice; the numerics under
+    test are the packed kernel's). Constant for every hypothesis example."""
     monkeypatch.setattr(linear_module, "MIN_PACKED_ELEMENTS", 0)
-    monkeypatch.setattr(linear_module, "MIN_PACKED_ELEMENTS_ONE_ROW", 0)
 
 
 def error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -114,15 +113,10 @@ def test_linear_function_without_a_cache_is_f_linear():
 
 
 @needs_packing
-def test_small_weights_and_single_rows_of_mid_sized_weights_stay_on_f_linear():
+def test_small_weights_stay_on_f_linear():
     small = Linear(64, 64, bias=False).requires_grad_(False)  # 4,096 elements
     x = torch.randn(8, 64)
     assert torch.equal(small(x), F.linear(x, small.weight)) and small._packed_weight().key is None
-    mid = Linear(1024, 512, bias=False).requires_grad_(False)  # 2^19: packed from 2 rows on
-    row = torch.randn(1, 1024)
-    assert torch.equal(mid(row), F.linear(row, mid.weight)) and mid._packed_weight().key is None
-    mid(torch.randn(2, 1024))
-    assert mid._packed_weight().key is not None
-    big = Linear(1024, 1024, bias=False).requires_grad_(False)  # 2^20: packed even for one row
-    big(row)
+    big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: packed, one row included
+    big(torch.randn(1, 512))
     assert big._packed_weight().key is not None
