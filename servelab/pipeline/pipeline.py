@@ -255,7 +255,7 @@ class Pipeline(BatchRuns, OutputDelivery):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: PipelineConfig | None = None, dtype: Any = None,
-                        device: str | torch.device = "cpu", **settings: Any) -> Pipeline:
+                        device: str | torch.device = "cpu", pack_weights: bool = True, **settings: Any) -> Pipeline:
         """Load a checkpoint (a Hugging Face folder or a ``.gguf`` file: model, and
         its tokenizer when it has one) and build a pipeline with ``config`` /
         ``settings`` (the same keyword arguments, and defaults, as the
@@ -265,8 +265,12 @@ class Pipeline(BatchRuns, OutputDelivery):
         device and attention backend. A folder without tokenizer files (normal
         for research checkpoints) gives a pipeline without a tokenizer:
         token-id prompts only.
+
+        ``pack_weights`` is :func:`~servelab.models.load_model`'s: float32 linear
+        layers on a CPU run on weights packed once for oneDNN (faster GEMMs, one
+        extra copy of each packed weight); False keeps plain ``F.linear``.
         """
-        model, _ = load_model(path, dtype=dtype, device=device)
+        model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights)
         return cls(model, load_tokenizer(path), config=config, **settings)
 
     def _new_recorder(self) -> MetricsRecorder:

@@ -120,3 +120,21 @@ def test_small_weights_stay_on_f_linear():
     big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: packed, one row included
     big(torch.randn(1, 512))
     assert big._packed_weight().key is not None
+
+
+@needs_packing
+def test_a_pipeline_generates_the_same_tokens_with_and_without_packing(pack_every_size, tmp_path):
+    from servelab import Pipeline, SamplingParams
+
+    path = build_tiny_model(tmp_path / "tiny", seed=3)
+    prompts = [[1, 5, 9, 2], [7] * 20, list(range(3, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for pack in (True, False):
+        pipe = Pipeline.from_pretrained(path, pack_weights=pack)
+        assert pipe.model.pack_weights is pack
+        outputs[pack] = [o.token_ids for o in pipe.generate(prompts, params)]
+    assert pipe.model.model.layers[0].mlp.gate_up_proj._packed_weight().key is None  # never packed when off
+    assert outputs[True] == outputs[False]
+    with pytest.raises(TypeError, match="pack_weights must be a bool"):
+        Pipeline.from_pretrained(path, pack_weights=1)
