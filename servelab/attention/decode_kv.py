@@ -14,7 +14,12 @@ step of the *same* sequences (same rows, same block-table prefix, every
 context one token longer, contexts within ``cap``) appends the one new K/V
 row per sequence from the cache (one C call, or a gather and a scatter per
 buffer) instead of gathering everything again; any other step starts afresh
-with one gather.
+with one gather. For the C kernel's layout that gather goes straight into
+buffer order (one row gather per buffer over the cache viewed as
+``[N * B * Hk, D]``, then K's tiling transpose), every position up to
+``cap`` included: past a row's end it reads the row's own position 0, so
+the buffers need no zero fill (half the time of gathering, zero-filling,
+copying and tiling separately, measured in the online benchmark's steps).
 
 Attention over the buffers has two implementations, chosen per layer:
 
@@ -121,6 +126,7 @@ class DecodeKV:
         self.bytes = sum(k.numel() * k.element_size() * 2 for k, _, _ in buffers.values())
         self._masks: dict[tuple, torch.Tensor] = {}
         self._append_index: dict[tuple, tuple] = {}
+        self._head_slots: dict[int, torch.Tensor] = {}
         self._slot_range: tuple[int, int] | None = None
 
     # ---- per step (shared by every layer) -------------------------------------------------
@@ -166,6 +172,21 @@ class DecodeKV:
         pos = torch.where(pos < self.row_lens[:, None], pos, 0)
         return (self.row_table.gather(1, pos // self.block_size) * self.block_size
                 + pos % self.block_size).flatten()
+
+    def head_slots(self, num_kv_heads: int) -> torch.Tensor:
+        """int64 ``[n * Hk * cap]``: for buffer row ``(j, h)`` and position ``p < cap``, the row of
+        the cache viewed as ``[N * B * Hk, D]`` that holds it (``slot * Hk + h``; past the row's
+        end, its own position 0: real, finite data that the kernel's length bound hides).
+        Built once per step for every layer."""
+        cached = self._head_slots.get(num_kv_heads)
+        if cached is None:
+            pos = torch.arange(self.cap, device=self.lens.device)[None, :]
+            pos = torch.where(pos < self.row_lens[:, None], pos, 0)
+            slots = self.row_table.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size
+            heads = torch.arange(num_kv_heads, device=self.lens.device)
+            cached = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            self._head_slots[num_kv_heads] = cached
+        return cached
 
     # ---- per layer --------------------------------------------------------------------------
 
@@ -267,8 +288,17 @@ class DecodeKV:
         if self.bytes + 2 * size * element > BUDGET_BYTES:
             return None
         kernel = cpu_decode.supports(compute, head_size, group, flat_k.device)
-        slots = self.context_slots()
         shape, device = (n, num_kv_heads, self.cap, head_size), flat_k.device
+        if kernel and flat_k.is_contiguous() and flat_v.is_contiguous():
+            # Straight into buffer order: one row gather per buffer (each buffer row a [D]
+            # row of the cache viewed as [N * B * Hk, D]), plus K's tiling transpose.
+            index = self.head_slots(num_kv_heads)
+            rows = flat_k.view(-1, head_size).index_select(0, index).to(compute)
+            dense_k = cpu_decode.tile_keys(rows.view(-1, self.cap, head_size))
+            dense_v = flat_v.view(-1, head_size).index_select(0, index).to(compute).view(shape)
+            self.bytes += 2 * size * element
+            return dense_k, dense_v, kernel
+        slots = self.context_slots()
         # Positions past max_len are never read unmasked, but must be finite: zeros.
         keys = flat_k.index_select(0, slots).view(n, self.max_len, num_kv_heads, head_size).transpose(1, 2)
         values = flat_v.index_select(0, slots).view(n, self.max_len, num_kv_heads, head_size).transpose(1, 2)
