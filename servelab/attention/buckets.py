@@ -35,7 +35,9 @@ def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
     Sequences are sorted by context length (query length breaking ties) and
     cut into contiguous runs; a run of ``n`` sequences costs ``overhead +
     n * max(q_lens) * max(kv_lens)`` padded score pairs. An exact dynamic
-    program over cut points (runs of at most :data:`MAX_BUCKET`).
+    program over cut points (runs of at most :data:`MAX_BUCKET`), which stops
+    lengthening a run once its own cost alone reaches the best found (costs
+    are non-negative, so no longer run can win).
 
     Args:
         q_lens, kv_lens: per-sequence query rows and context length (``kv >= q``).
@@ -46,15 +48,23 @@ def bucket_sequences(q_lens: list[int], kv_lens: list[int], *,
     """
     order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
     n = len(order)
+    qs = [q_lens[i] for i in order]
     best: list[float] = [0.0] + [math.inf] * n  # best[j]: least cost of order[:j]
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         max_q, max_kv = 0, kv_lens[order[j - 1]]  # sorted: the run's last sequence has the longest context
+        best_j, cut_j = math.inf, 0
         for i in range(j - 1, max(-1, j - 1 - MAX_BUCKET), -1):
-            max_q = max(max_q, q_lens[order[i]])
-            cost = best[i] + overhead + (j - i) * max_q * max_kv
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
+            q = qs[i]
+            if q > max_q:
+                max_q = q
+            run = overhead + (j - i) * max_q * max_kv
+            if run >= best_j:  # every longer run costs at least this much more than best[i] >= 0:
+                break          # none can do better (the same cuts as the full search)
+            cost = best[i] + run
+            if cost < best_j:
+                best_j, cut_j = cost, i
+        best[j], cut[j] = best_j, cut_j
     buckets, j = [], n
     while j > 0:
         buckets.append(order[cut[j]:j])

@@ -136,6 +136,39 @@ def test_bucket_sequences_is_the_cheapest_partition_of_the_sorted_order(lens, ov
         assert len(buckets) == 1
 
 
+def _unpruned_buckets(q_lens, kv_lens, overhead, max_bucket):
+    """The dynamic program without its early stop (the reference for the pruned one)."""
+    import math
+
+    order = sorted(range(len(q_lens)), key=lambda i: (kv_lens[i], q_lens[i]))
+    n = len(order)
+    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        max_q, max_kv = 0, kv_lens[order[j - 1]]
+        for i in range(j - 1, max(-1, j - 1 - max_bucket), -1):
+            max_q = max(max_q, q_lens[order[i]])
+            cost = best[i] + overhead + (j - i) * max_q * max_kv
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets, j = [], n
+    while j > 0:
+        buckets.append(order[cut[j]:j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3000)), min_size=1, max_size=150),
+       overhead=st.sampled_from([0, 1, 512, 4096, 10**7]))
+def test_bucket_sequences_early_stop_gives_the_full_search_s_buckets(lens, overhead):
+    from servelab.attention.buckets import MAX_BUCKET, bucket_sequences
+
+    q_lens = [q for q, _ in lens]
+    kv_lens = [q + extra for q, extra in lens]
+    assert bucket_sequences(q_lens, kv_lens, overhead=overhead) == _unpruned_buckets(q_lens, kv_lens, overhead,
+                                                                                     MAX_BUCKET)
+
+
 @settings(max_examples=60, deadline=None)
 @given(problem=problems(), overhead=st.sampled_from([0, 30]))
 def test_prefill_buckets_causal_groups_and_decode_steps_match_reference(problem, overhead):
