@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from servelab._internal.frozen_heap import frozen_heap
 from servelab.pipeline.inputs import batch_arguments, conversations_of, render_chat
 from servelab.pipeline.metrics import ProgressBar
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
@@ -76,8 +77,9 @@ class BatchRuns:
         batch = batch_arguments(prompts, sampling_params, priorities)
         progress = ProgressBar(len(batch), use_tqdm)
         try:
-            for event in self._stream(batch, detokenize):
-                progress.update(int(event.finished), len(event.new_token_ids))
+            with frozen_heap():  # the run's loop: no full collector passes over the model and imports
+                for event in self._stream(batch, detokenize):
+                    progress.update(int(event.finished), len(event.new_token_ids))
         finally:
             progress.close()
         return list(self.last_outputs)

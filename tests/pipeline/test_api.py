@@ -246,3 +246,36 @@ def test_configuration_errors_name_the_problem(tiny):
     manager = KVCacheManager(kv_cache_spec(model, 8), 40, max_model_len=128)
     with pytest.raises(ValueError, match="block_size given together with kv_cache_manager"):
         Pipeline(model, kv_cache_manager=manager, block_size=16)
+
+
+def test_generate_freezes_the_heap_for_its_loop_only_and_never_thaws_a_users_freeze(pipe, reference, monkeypatch):
+    import gc
+
+    seen = []
+    real_step = pipe.step
+
+    def step():
+        seen.append(gc.get_freeze_count())
+        return real_step()
+
+    monkeypatch.setattr(pipe, "step", step)
+    assert gc.get_freeze_count() == 0
+    assert [o.token_ids for o in pipe.generate(TEXTS, GREEDY)] == [o.token_ids for o in reference]
+    assert seen and min(seen) > 0  # frozen while stepping
+    assert gc.get_freeze_count() == 0  # and thawed after
+    calls = []
+    monkeypatch.setattr(gc, "freeze", lambda real=gc.freeze: calls.append("freeze") or real())
+    monkeypatch.setattr(gc, "unfreeze", lambda real=gc.unfreeze: calls.append("unfreeze") or real())
+    gc.freeze()  # the user's own freeze: generate leaves it alone
+    try:
+        calls.clear()
+        pipe.generate(TEXTS[:1], GREEDY)
+        assert calls == [] and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    calls.clear()
+    pipe.generate(TEXTS[:1], GREEDY)
+    assert calls == ["freeze", "unfreeze"]
+    with pytest.raises(ValueError):
+        pipe.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=4, top_k=-5))
+    assert gc.get_freeze_count() == 0  # a run that raises thaws too

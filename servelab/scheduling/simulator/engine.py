@@ -13,13 +13,13 @@ failed.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from servelab._internal.frozen_heap import frozen_heap
 from servelab.blocks import FullAttentionSpec, KVCacheManager
 from servelab.samplers.params import SamplingParams
 from servelab.scheduling.config import SchedulerConfig
@@ -115,11 +115,8 @@ def simulate(
     wall_start = time.perf_counter()
     # Everything alive now (modules, the pool's blocks) is left out of the collector's full passes:
     # they would otherwise rescan it every few hundred steps (a third of a long run's time).
-    gc.freeze()
-    try:
+    with frozen_heap():
         finished, steps, kv_times, kv_usage = _run(sched, kv, pending, clock, cost, max_steps)
-    finally:
-        gc.unfreeze()
     wall = time.perf_counter() - wall_start
     name = policy if isinstance(policy, str) else getattr(policy_obj, "name", type(policy_obj).__name__)
     return SimulationResult(name, finished, steps, sched.num_preemptions, np.asarray(kv_times),
