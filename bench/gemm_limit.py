@@ -17,7 +17,22 @@ on the ``B`` sampled rows), a ``[B, in]`` activation in a loop, nothing else:
   plain PyTorch model runs (and this benchmark's yardstick before weights
   were packed); ``step_over_matmul`` is the step against it.
 
-    python bench/gemm_limit.py --model smollm2-shape          # rows into bench/results/results.csv
+Where the rest of the step goes, per row:
+
+- ``attention_in_step``: the time inside the model's attention ops, every
+  layer's cache write and paged attention (plans, gathers, the kernel),
+  measured on the timed steps with those two methods wrapped in a clock
+  (:class:`AttentionClock`);
+- ``kv_read_floor``: the K/V bytes that step must read (every running
+  request's context, every layer, float32) over the read bandwidth measured
+  in the same round (``read_bandwidth``: ``torch.sum`` over >= 256 MiB): what
+  attention would cost if it only streamed its data once at the machine's
+  rate. ``(GEMM + kv_read_floor) / GEMM`` is the lowest ``step_over_gemm``
+  any engine could reach on this step without shrinking its K/V;
+- ``rest_of_step``: step - GEMM - attention: norms, RoPE, SiLU, residual
+  adds, the embedding, argmax, scheduling, input preparation and bookkeeping.
+
+    python bench/gemm_limit.py --batches 16 --threads 1,2     # rows into bench/results/results.csv
     python bench/gemm_limit.py --model tiny --batches 1,16
 
 The KV pool is touched once before timing (steady state: a serving process
@@ -79,8 +94,63 @@ def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
     return times[2:]
 
 
+class AttentionClock:
+    """Seconds spent inside the model's attention ops during ``Pipeline.step()``s: every
+    layer's ``reshape_and_cache`` and ``paged_attention`` (plans, gathers and the kernel
+    included), timed by wrapping the two methods of the model's per-step attention view
+    (:class:`servelab.models.llama._StepAttention`) while the clock is on. It runs on the
+    timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+
+    def __enter__(self) -> "AttentionClock":
+        from servelab.models import llama
+
+        self.owner, self.originals = llama._StepAttention, {}
+        for name in ("reshape_and_cache", "paged_attention"):
+            original = self.originals[name] = getattr(self.owner, name)
+
+            def timed(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.spent += time.perf_counter() - start
+
+            setattr(self.owner, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.originals.items():
+            setattr(self.owner, name, original)
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 3) -> float:
+    """Bytes per second of the fastest of ``repeats`` ``torch.sum`` passes over a fresh
+    float32 buffer of ``num_bytes`` (at least 256 MiB, so it streams from memory):
+    the rate at which this machine, at the current thread count, reads data it must
+    fetch from DRAM, as a decode step reads every layer's K/V once."""
+    buffer = torch.ones(max(num_bytes, 256 << 20) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def kv_bytes_per_step(pipe, model) -> int:
+    """K and V bytes one decode step must read: every running request's context (this
+    step's token included), every layer, at the cache's dtype."""
+    config = model.config
+    tokens = sum(r.num_computed_tokens + 1 for r in pipe.scheduler.running)
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * tokens * config.num_key_value_heads * config.head_dim * itemsize * config.num_hidden_layers
+
+
 def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: int,
-                    threads: list[int]) -> dict[int, tuple[list[float], list[float], list[float]]]:
+                    threads: list[int]) -> dict[int, tuple[list[float], ...]]:
     """Per thread count: seconds per ``Pipeline.step()`` once every request is decoding, and
     per GEMM-only step, measured in alternating rounds of ``steps`` each (a shared machine's
     speed drifts over seconds; interleaving gives both, and every thread count, the same
@@ -93,17 +163,23 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    out: dict[int, tuple[list[float], list[float], list[float]]] = {t: ([], [], []) for t in threads}
+    out: dict[int, tuple[list[float], ...]] = {t: ([], [], [], [], [], []) for t in threads}
     for _ in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            times, gemms, matmuls = out[t]
-            for _ in range(steps):
-                start = time.perf_counter()
-                pipe.step()
-                times.append(time.perf_counter() - start)
+            times, gemms, matmuls, attention, floors, bandwidths = out[t]
+            with AttentionClock() as clock:
+                for _ in range(steps):
+                    clock.spent = 0.0
+                    start = time.perf_counter()
+                    pipe.step()
+                    times.append(time.perf_counter() - start)
+                    attention.append(clock.spent)
             gemms += gemm_only(model, len(prompts), steps, "model")
             matmuls += gemm_only(model, len(prompts), steps, "matmul")
+            kv_bytes = kv_bytes_per_step(pipe, model)
+            bandwidths.append(read_bandwidth(kv_bytes))
+            floors.append(kv_bytes / bandwidths[-1])
     for rid in rids:
         pipe.abort_request(rid)
     while pipe.has_unfinished_requests():
@@ -113,7 +189,9 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-shape", help="tiny, smollm2-shape, or a checkpoint folder")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (the real SmolLM2-135M-Instruct when fetched, else random weights of "
+                             "its shapes), tiny, smollm2-shape, or a checkpoint folder")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=10, help="decode steps (and GEMM-only steps) per round")
@@ -129,8 +207,14 @@ def main() -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model, config = load_model(build(args.model, Path(tmp)))
-    max_model_len = args.context + args.rounds * args.steps + 64
+        if args.model == "smollm2":
+            from e2e import checkpoint
+
+            path, model_name = checkpoint("smollm2", Path(tmp))
+        else:
+            path, model_name = build(args.model, Path(tmp)), args.model
+        model, config = load_model(path)
+    max_model_len = args.context + args.rounds * args.steps * len(threads) + 64
     # A pool that holds the largest batch whole (the default, sized from the
     # weights, would preempt at batch 64 and time a smaller batch).
     num_blocks = max(batches) * -(-max_model_len // 16) + 1
@@ -142,19 +226,23 @@ def main() -> int:
     # first write to a page is a page fault inside the timed decode step.
     pipe.kv_caches.buffer.zero_()
     lines = []
-    print(f"model {args.model}, backend {args.backend}, threads {threads}, context {args.context}\n")
+    print(f"model {model_name}, backend {args.backend}, threads {threads}, context {args.context}\n")
     print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms, model's kernel (p20/p50/p80) | "
-          "step / GEMM | torch.matmul-only ms | step / matmul |\n|---|---|---|---|---|---|---|")
+          "step / GEMM | torch.matmul-only ms | step / matmul | attention in step ms | its K/V read floor ms "
+          "| rest of step ms |\n|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
         timed = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds, threads)
         for t in threads:
-            step, gemm, matmul = (percentiles(samples) for samples in timed[t])
+            step, gemm, matmul, attention = (percentiles(samples) for samples in timed[t][:4])
+            floor, bandwidth = statistics.median(timed[t][4]), statistics.median(timed[t][5])
             ratio, matmul_ratio = step[1] / gemm[1], step[1] / matmul[1]
+            rest = step[1] - gemm[1] - attention[1]
             print(f"| {batch} | {t} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
                   f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} | "
-                  f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} |", flush=True)
-            params = dict(model=args.model, batch=batch, context=args.context, backend=args.backend, threads=t,
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} | {1e3 * attention[1]:.1f} | "
+                  f"{1e3 * floor:.1f} ({bandwidth / 1e9:.1f} GB/s) | {1e3 * rest:.1f} |", flush=True)
+            params = dict(model=model_name, batch=batch, context=args.context, backend=args.backend, threads=t,
                           steps=args.steps * args.rounds, packed_weights=model.pack_weights,
                           omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
             items = [
@@ -163,6 +251,10 @@ def main() -> int:
                 ("step_over_gemm", "ratio", ratio, None),
                 ("matmul_only_step", "ms", 1e3 * matmul[1], [1e3 * m for m in matmul]),
                 ("step_over_matmul", "ratio", matmul_ratio, None),
+                ("attention_in_step", "ms", 1e3 * attention[1], [1e3 * a for a in attention]),
+                ("kv_read_floor", "ms", 1e3 * floor, None),
+                ("read_bandwidth", "GB/s", bandwidth / 1e9, None),
+                ("rest_of_step", "ms", 1e3 * rest, None),
             ]
             lines.append((params, items))
     if not args.no_record:

@@ -6,7 +6,8 @@ sorts the cumulative times of known functions into the parts of a step:
 - **schedule**: ``Scheduler.schedule``;
 - **input prep**: ``ModelRunner._update_states`` + ``ModelRunner._prepare``;
 - **forward** (``LlamaForCausalLM.forward``), split into GEMMs (every
-  ``torch._C._nn.linear`` call), attention (``paged_attention``, planning
+  ``torch._C._nn.linear`` call and every packed oneDNN GEMM,
+  ``torch.ops.mkldnn._linear_pointwise``), attention (``paged_attention``, planning
   included), KV write (``reshape_and_cache``), norms + RoPE (``RMSNorm``, ``apply_rotary``,
   ``RotaryEmbedding``) and the rest (embedding, SiLU, residual adds);
 - **logits**: ``compute_logits`` (the LM-head GEMM on the sampled rows);
@@ -57,11 +58,12 @@ FORWARD_PARTS = [
     ("KV write", "models/llama.py", "reshape_and_cache"),
     ("norms + RoPE", "models/layers.py", "forward:RMSNorm"),
     ("norms + RoPE", "models/layers.py", "apply_rotary"),
+    ("norms + RoPE", "models/llama.py", "rotate"),
     ("norms + RoPE", "models/layers.py", "forward:RotaryEmbedding"),
 ]
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
+                     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=2048,
                      tie_word_embeddings=True, rope_theta=100000.0)
 
 
@@ -122,8 +124,10 @@ def breakdown(stats: pstats.Stats) -> list[tuple[str, float]]:
     for category, suffix, func in PARTS:
         parts[category] = parts.get(category, 0.0) + _cumulative(stats, suffix, func)
     forward = parts["forward"]
-    # Every F.linear call is a GEMM; the LM head's belong to "logits".
-    sub: dict[str, float] = {"GEMMs": _builtin(stats, "torch._C._nn.linear") - parts["logits"]}
+    # Every F.linear call and every packed oneDNN GEMM (servelab.models.linear) is a GEMM;
+    # the LM head's belong to "logits".
+    gemms = _builtin(stats, "torch._C._nn.linear") + _builtin(stats, "mkldnn._linear_pointwise")
+    sub: dict[str, float] = {"GEMMs": gemms - parts["logits"]}
     for category, suffix, func in FORWARD_PARTS:
         sub[category] = sub.get(category, 0.0) + _cumulative(stats, suffix, func)
     sub["other forward (embedding, SiLU, adds)"] = forward - sum(sub.values())
