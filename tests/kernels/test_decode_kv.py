@@ -163,7 +163,49 @@ def run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float6
         _note(f"lens {loop.lens}, cap {plan.decode_kv.cap}")
         carried = max(loop.lens) <= previous.decode_kv.cap
         assert plan.decode_kv.extends == carried
+        assert plan.decode_kv.grown == (not carried)  # the same rows, outgrown: copied, not gathered
     return plan
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["c-kernel", "torch"])
+def test_outgrown_buffers_grow_from_the_old_ones_without_a_gather(kernel, monkeypatch):
+    if kernel == "1" and not cpu_decode.available():
+        pytest.skip("the C kernel is not built here")
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, kernel)
+    monkeypatch.setattr(decode_kv, "HEADROOM", 0)
+    loop = Loop([15, 9, 16], 4, 2, 16, 4, seed=7, dtype=torch.float32)
+    rows = [0, 1, 2]
+    _, plan = attend(loop, rows)
+    assert plan.decode_kv.cap == 16 and not plan.decode_kv.grown
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("an outgrown step must copy its old buffers, not gather from the cache")
+
+    for i in rows:
+        loop.write(i)
+    table, seq_lens, qsl = loop.metadata(rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_kv.DecodeKV, "_gather", no_gather)
+        grown = plan_attention(table, seq_lens, qsl, block_size=4, chain=True, previous=plan)
+        query = loop.query(3)
+        out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=grown)
+    assert grown.decode_kv.grown and grown.decode_kv.cap == 32  # max(17 + 0, 1.5 * 16) -> 32 (multiple of 16)
+    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
+                            plan=plan_attention(table, seq_lens, qsl, block_size=4, chain=True))
+    assert torch.equal(out, fresh)
+    assert grown.decode_kv._grow_from == {}  # every layer took its old buffers (and let go of them)
+
+
+def test_grown_cap_is_geometric_within_the_budget(monkeypatch):
+    monkeypatch.setattr(decode_kv, "HEADROOM", 64)
+    previous = type("Previous", (), {"cap": 320, "bytes": 0})()
+    assert decode_kv._grown_cap(previous, 321) == 480  # 1.5 x 320 > 321 + 64
+    assert decode_kv._grown_cap(previous, 470) == 544  # at least the context plus the headroom
+    previous.bytes = decode_kv.BUDGET_BYTES // 2  # the budget allows 2 x 320 = 640 positions
+    monkeypatch.setattr(decode_kv, "GROWTH", 4.0)
+    assert decode_kv._grown_cap(previous, 321) == 640
+    previous.bytes = decode_kv.BUDGET_BYTES  # no room to grow at all: the headroom still applies
+    assert decode_kv._grown_cap(previous, 321) == 400
 
 
 def test_changed_rows_start_afresh():
