@@ -120,7 +120,11 @@ class DecodeKV:
       (``kernel`` True) K ``[n, Hk, cap/16, D, 16]`` and V ``[n, Hk, cap, D]``,
       else K ``[n, Hk, cap, D]`` and V ``[n, Hk, D, cap]``; buffer row ``j`` holds positions ``[0, len)``
       (``[0, len - 1)`` until this step appends, when ``extends``); every
-      other position is finite.
+      other position is finite. (The C kernel's K is stored as ``[n * Hk, cap/16, D, 16]``,
+      the same memory.)
+    - ``extends``: this step appends to the last step's buffers; ``grown``: the same rows
+      outgrew them, so each layer's buffers here start as a copy of the old ones at the
+      larger ``cap`` (:data:`GROWTH`); neither: a fresh start, one gather per layer.
     """
 
     def __init__(self, table: torch.Tensor, lens: torch.Tensor, block_size: int, cap: int, buffers: dict,
