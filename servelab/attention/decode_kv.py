@@ -232,19 +232,16 @@ class DecodeKV:
         layer = (key_cache.data_ptr(), value_cache.data_ptr(), compute)
         n, num_heads = query.shape[:2]
         group = num_heads // num_kv_heads
-        buffers = self.buffers.get(layer) if self.extends else None
+        # Extending: the last step's buffers; outgrown: new ones holding all but the newest
+        # position (both take this step's row); otherwise one gather of everything.
+        buffers = self.buffers.get(layer) if self.extends else self._grow(layer, flat_k, compute, group)
         if buffers is None:
-            buffers = self._grow(layer, flat_k, compute, group)
-            if buffers is not None:
-                self.buffers[layer] = buffers
-                self._append(flat_k, flat_v, buffers, compute)
-            else:
-                buffers = self._gather(flat_k, flat_v, compute, group)
-                if buffers is None:
-                    return None
-                self.buffers[layer] = buffers
+            buffers = self._gather(flat_k, flat_v, compute, group)
+            if buffers is None:
+                return None
         else:
             self._append(flat_k, flat_v, buffers, compute)
+        self.buffers[layer] = buffers
         q = query.to(compute)
         if self.order is not None:
             q = q.index_select(0, self.order)
@@ -318,33 +315,17 @@ class DecodeKV:
             return None
         old_k, old_v, kernel = old
         num_kv_heads, head_size = flat_k.shape[1:]
-        heads = self.lens.shape[0] * num_kv_heads
+        size = self.lens.shape[0] * num_kv_heads * self.cap * head_size  # elements per new buffer
         element = torch.empty((), dtype=compute).element_size()
-        size = heads * self.cap * head_size
         if (kernel != cpu_decode.supports(compute, head_size, group, flat_k.device) or old_k.dtype != compute
                 or self.bytes + 2 * size * element > BUDGET_BYTES):
             return None
-        old_cap = old_k.numel() // (heads * head_size)
-        if kernel:  # K tiles [.., cap/16, D, 16] (a tile of 16 positions = D*16 elements), V rows
-            tile = head_size * cpu_decode.LANES
-            pairs = ((old_k.view(heads, old_cap // cpu_decode.LANES, tile), (heads, self.cap // cpu_decode.LANES, tile)),
-                     (old_v.view(heads, old_cap, head_size), (heads, self.cap, head_size)))
-        else:  # K rows [.., cap, D], V transposed [.., D, cap]
-            pairs = ((old_k.view(heads, old_cap, head_size), (heads, self.cap, head_size)),
-                     (old_v.view(heads * head_size, old_cap)[..., None], (heads * head_size, self.cap, 1)))
-        grown = []
-        for old_buffer, shape in pairs:
-            new = torch.empty(shape, dtype=compute, device=flat_k.device)
-            kept = old_buffer.shape[1]
-            new[:, :kept].copy_(old_buffer)
-            new[:, kept:].zero_()
-            grown.append(new)
         self.bytes += 2 * size * element
+        # The axis that counts positions: K tiles [n*Hk, cap/16, D, 16] and V [n, Hk, cap, D]
+        # for the kernel; K [n, Hk, cap, D] and V [n, Hk, D, cap] for the torch formulation.
         if kernel:
-            return grown[0].view(heads, -1, head_size, cpu_decode.LANES), grown[1].view(
-                self.lens.shape[0], num_kv_heads, self.cap, head_size), True
-        return grown[0].view(self.lens.shape[0], num_kv_heads, self.cap, head_size), grown[1].view(
-            self.lens.shape[0], num_kv_heads, head_size, self.cap), False
+            return _widened(old_k, 1, self.cap // cpu_decode.LANES), _widened(old_v, 2, self.cap), True
+        return _widened(old_k, 2, self.cap), _widened(old_v, 3, self.cap), False
 
     def _gather(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
@@ -418,6 +399,17 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
     buckets = [(run[0], run[-1] + 1) for run in runs]
     cap = -(-(max_len + HEADROOM) // 16) * 16
     return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)
+
+
+def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:
+    """A copy of ``old`` with dimension ``axis`` lengthened to ``size``: the old entries
+    first, zeros after."""
+    shape = list(old.shape)
+    kept, shape[axis] = shape[axis], size
+    new = torch.empty(shape, dtype=old.dtype, device=old.device)
+    new.narrow(axis, 0, kept).copy_(old)
+    new.narrow(axis, kept, size - kept).zero_()
+    return new
 
 
 def _grown_cap(previous: DecodeKV, max_len: int) -> int:
