@@ -37,7 +37,7 @@ Scope: float32, contiguous CPU tensors, ``head_size % 16 == 0``,
 ``1 <= group <= 8``.
 
 Interface. :func:`decode_scores` and :func:`decode_pv` check their
-arguments. :func:`attend` and :func:`append_newest` are the decode path's
+arguments. :func:`attend` (with its ``append`` rows) is the decode path's
 interface (:class:`servelab.attention.decode_kv.DecodeKV`): they trust their
 caller, which built every tensor itself and range-checks the new rows' cache
 slots once per step, because per-layer checks would cost more than the
@@ -137,7 +137,8 @@ def _pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: i
 
 
 def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int,
-           width: int, scale: float) -> torch.Tensor:
+           width: int, scale: float,
+           append: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention of every row's query heads over its first ``lens`` positions (unchecked:
     the caller guarantees the layout; :func:`decode_scores` / :func:`decode_pv` are the checked ops).
 
@@ -146,7 +147,14 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
             any stride (a fused QKV output's query slice is read in place);
         tiles: float32 ``[H, cap/16, D, 16]`` (:func:`tile_keys`), ``H = rows * kv_per_row``;
         values: float32 ``[H, cap, D]``; lens: int64 ``[rows]``, ``1 <= lens <= width <= cap``;
-        width: score columns (the longest length); scale: softmax scale.
+        width: score columns (the longest length); scale: softmax scale;
+        append: ``(key_rows, value_rows, slots)``: the flattened paged caches ``[slots, Hk, D]``
+            (float32, contiguous) and int64 ``[rows]`` cache slots, in range (unchecked), of
+            each row's newest position ``lens - 1``. Each head first copies that position into
+            ``tiles`` / ``values``, inside the kernel, by the thread that attends the head next:
+            on every thread, and into the lines the head's scores read right after (one K
+            position spans ``D`` lines of the tiled layout). ``None``: the buffers already
+            hold every position.
 
     Returns: float32 ``[H, G, D]``.
     """
@@ -154,23 +162,13 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
     group = q.shape[1] // kv_per_row
     scores = torch.empty(heads, group, width, dtype=torch.float32)  # workspace
     out = torch.empty(heads, group, head_size, dtype=torch.float32)
+    rows = (None, None, None) if append is None else (append[0].data_ptr(), append[1].data_ptr(),
+                                                      append[2].data_ptr())
     _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
                                          lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
                                          group, head_size, tiles.shape[1] * LANES, width, scale,
-                                         torch.get_num_threads())
+                                         torch.get_num_threads(), *rows)
     return out
-
-
-def append_newest(key_rows: torch.Tensor, value_rows: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
-                  tiles: torch.Tensor, values: torch.Tensor) -> None:
-    """Copy position ``lens[r] - 1`` of every row from the flattened caches ``[slots, Hk, D]``
-    (float32, contiguous; ``slots`` int64 ``[rows]``, in range: unchecked) into ``tiles``
-    (``[rows * Hk, cap/16, D, 16]``, any view of it) and ``values`` (``[rows, Hk, cap, D]``)."""
-    rows = slots.shape[0]
-    heads, cap, head_size = values.shape[0] * values.shape[1], values.shape[2], values.shape[3]
-    _library().servelab_decode_append(key_rows.data_ptr(), value_rows.data_ptr(), slots.data_ptr(),
-                                      lens.data_ptr(), tiles.data_ptr(), values.data_ptr(), rows, heads // rows,
-                                      head_size, cap)
 
 
 def _check(name: str, t: object, dim: int) -> None:

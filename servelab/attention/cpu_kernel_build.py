@@ -48,7 +48,7 @@ from pathlib import Path
 from servelab._internal.paths import kernel_cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-ABI_VERSION = 5
+ABI_VERSION = 6
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -145,8 +145,7 @@ assert lib.servelab_build_key().decode() == sys.argv[2], "embedded build key"
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 lib.servelab_decode_scores.argtypes = [P, I, P, P, P, I, I, I, I, I, I, F, I]
 lib.servelab_decode_pv.argtypes = [P, P, P, P, I, I, I, I, I, I, I]
-lib.servelab_decode_append.argtypes = [P, P, P, P, P, P, I, I, I, I]
-lib.servelab_decode_attention.argtypes = [P, I, P, P, P, P, P, I, I, I, I, I, I, F, I]
+lib.servelab_decode_attention.argtypes = [P, I, P, P, P, P, P, I, I, I, I, I, I, F, I, P, P, P]
 rows, kv, cap = 2, 2, 64
 for d in (16, 64):
     for g in range(1, 9):
@@ -159,12 +158,14 @@ for d in (16, 64):
         lib.servelab_decode_scores(q, kv * g * d, k, lens, s, heads, kv, g, d, cap, cap, 1.0, 2)
         assert abs(s[0] - 0.125 * d) < 1e-3, s[0]
         lib.servelab_decode_pv(s, k, lens, out, heads, kv, g, d, cap, cap, 2)
-        lib.servelab_decode_attention(q, kv * g * d, k, k, lens, s, out, heads, kv, g, d, cap, cap, 1.0, 2)
+        lib.servelab_decode_attention(q, kv * g * d, k, k, lens, s, out, heads, kv, g, d, cap, cap, 1.0, 2,
+                                      None, None, None)
         assert abs(out[0] - 0.25) < 1e-5, out[0]  # uniform weights over equal values
         slots = (ctypes.c_int64 * rows)(0, 1)
         tiles, values = (ctypes.c_float * (heads * cap * d))(), (ctypes.c_float * (heads * cap * d))()
-        lib.servelab_decode_append(k, k, slots, lens, tiles, values, rows, kv, d, cap)
-        assert tiles[(cap - 1) // 16 * d * 16 + (cap - 1) % 16] == 0.25
+        lib.servelab_decode_attention(q, kv * g * d, tiles, values, lens, s, out, heads, kv, g, d, cap, cap, 1.0,
+                                      2, k, k, slots)
+        assert tiles[(cap - 1) // 16 * d * 16 + (cap - 1) % 16] == 0.25 and values[(cap - 1) * d] == 0.25
 print("ok")
 """
 
@@ -194,9 +195,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_decode_scores.restype = None
     lib.servelab_decode_pv.argtypes = [p, p, p, p, i, i, i, i, i, i, i]
     lib.servelab_decode_pv.restype = None
-    lib.servelab_decode_append.argtypes = [p, p, p, p, p, p, i, i, i, i]
-    lib.servelab_decode_append.restype = None
-    lib.servelab_decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    lib.servelab_decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, p, p,
+                                              p]
     lib.servelab_decode_attention.restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 

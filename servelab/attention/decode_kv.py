@@ -235,10 +235,13 @@ class DecodeKV:
         # Extending: the last step's buffers; outgrown: new ones holding all but the newest
         # position (both take this step's row); otherwise one gather of everything.
         buffers = self.buffers.get(layer) if self.extends else self._grow(layer, flat_k, compute, group)
+        append = None  # the kernel's own append: (paged K, paged V, the new rows' slots)
         if buffers is None:
             buffers = self._gather(flat_k, flat_v, compute, group)
             if buffers is None:
                 return None
+        elif buffers[2] and self._direct_append(flat_k, flat_v, compute):
+            append = (flat_k, flat_v, self.new_slots)
         else:
             self._append(flat_k, flat_v, buffers, compute)
         self.buffers[layer] = buffers
@@ -246,7 +249,7 @@ class DecodeKV:
         if self.order is not None:
             q = q.index_select(0, self.order)
         if buffers[2]:
-            out = self._attend_kernel(q, buffers, scale, num_kv_heads)
+            out = self._attend_kernel(q, buffers, scale, num_kv_heads, append)
         else:  # head h of [n * Hk, G, D] = kv head h // G
             out = self._attend_torch(q.reshape(n * num_kv_heads, group, head_size), buffers, scale)
         out = out.reshape(n, num_heads, head_size)  # the torch path's is transposed: a copy
@@ -254,11 +257,9 @@ class DecodeKV:
 
     def _append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, buffers: tuple, compute: torch.dtype) -> None:
         """Copy every row's newest position (``len - 1``) from the flattened caches
-        ``[N * B, Hk, D]`` into the layer's buffers: one C call when the kernel's layout and
-        the caches allow it, else a gather and a scatter per buffer."""
+        ``[N * B, Hk, D]`` into the layer's buffers with a gather and a scatter per buffer (the
+        C kernel makes this copy itself when the caches allow it: :meth:`_direct_append`)."""
         dense_k, dense_v, kernel = buffers
-        if kernel and self._direct_append(flat_k, flat_v, compute):
-            return cpu_decode.append_newest(flat_k, flat_v, self.new_slots, self.row_lens, dense_k, dense_v)
         num_kv_heads, head_size = flat_k.shape[1:]
         for (index, rows), buffer, flat in zip(self.append_index(num_kv_heads, head_size, kernel),
                                                (dense_k, dense_v), (flat_k, flat_v)):
@@ -269,7 +270,8 @@ class DecodeKV:
                 buffer.view(-1).index_copy_(0, index, new.view(-1))
 
     def _direct_append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype) -> bool:
-        """Whether the C kernel may copy the new rows straight from these caches: float32,
+        """Whether the C kernel may copy the new rows straight from these caches (its ``append``
+        argument) while it attends: float32,
         contiguous, every new slot inside them (checked once per step: the C side trusts it)."""
         if self._slot_range is None:
             self._slot_range = (int(self.new_slots.min()), int(self.new_slots.max()))
@@ -277,9 +279,11 @@ class DecodeKV:
         return (flat_k.dtype == compute and flat_v.dtype == compute and flat_k.is_contiguous()
                 and flat_v.is_contiguous() and low >= 0 and high < min(flat_k.shape[0], flat_v.shape[0]))
 
-    def _attend_kernel(self, q: torch.Tensor, buffers: tuple, scale: float, num_kv_heads: int) -> torch.Tensor:
-        """``[n, Hq, D]`` queries -> ``[n * Hk, G, D]`` through the C kernel (one call per product).
-        The queries are read in place when only their rows are strided (a fused QKV slice)."""
+    def _attend_kernel(self, q: torch.Tensor, buffers: tuple, scale: float, num_kv_heads: int,
+                       append: tuple | None = None) -> torch.Tensor:
+        """``[n, Hq, D]`` queries -> ``[n * Hk, G, D]`` through the C kernel (one call per layer;
+        ``append``: :func:`cpu_decode.attend`'s, the new rows it copies in first). The queries
+        are read in place when only their rows are strided (a fused QKV slice)."""
         tiles, values = buffers[0], buffers[1]
         n, num_heads, head_size = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_size:
@@ -287,7 +291,7 @@ class DecodeKV:
         heads = n * num_kv_heads
         return cpu_decode.attend(q, tiles.view(heads, -1, head_size, cpu_decode.LANES),
                                  values.view(heads, self.cap, head_size), self.row_lens, num_kv_heads,
-                                 self.max_len, scale)
+                                 self.max_len, scale, append)
 
     def _attend_torch(self, q: torch.Tensor, buffers: tuple, scale: float) -> torch.Tensor:
         """``[n * Hk, G, D]`` queries -> ``[n * Hk, G, D]``, bucket by bucket with torch ops."""

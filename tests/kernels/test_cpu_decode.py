@@ -115,12 +115,38 @@ def check_against_float64(rows, kv_per_row, group, head_size, tiles, extra, seed
     for h in range(q.shape[0]):
         n = int(lens[h // kv_per])
         torch.testing.assert_close(fused[h].double(), p64[h, :, :n] @ values[h, :n].double(), rtol=1e-5, atol=1e-5)
+    # With ``append``: the newest position of each row (NaN in the buffers) is copied in from a
+    # paged cache by the kernel itself, then attended: the same bits as the full buffers.
+    check_append(q_rows, keys, values, lens, kv_per, width, scale, seed)
     if torch.get_num_threads() > 1:
         with torch_threads(1):
             assert torch.equal(cpu_decode.decode_scores(q, cpu_decode.tile_keys(keys), lens, width, scale), scores)
             assert torch.equal(cpu_decode.decode_pv(p_poisoned, values, lens), out)
             assert torch.equal(cpu_decode.attend(q_rows, cpu_decode.tile_keys(keys), values, lens, kv_per, width,
                                                  scale), fused)
+
+
+def check_append(q_rows, keys, values, lens, kv_per, width, scale, seed):
+    """``attend(..., append=(key_rows, value_rows, slots))`` on buffers whose newest positions
+    are NaN: the buffers end up equal to the full ones, the output bit-equal to attending those."""
+    rows, head_size = lens.numel(), keys.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(rows + 3, generator=gen)[:rows]  # each row's newest position, anywhere in the cache
+    key_rows = torch.randn(rows + 3, kv_per, head_size, generator=gen)
+    value_rows = torch.randn(rows + 3, kv_per, head_size, generator=gen)
+    newest = (lens - 1).repeat_interleave(kv_per)
+    heads = torch.arange(rows * kv_per)
+    full_k, full_v = keys.clone(), values.clone()
+    full_k[heads, newest] = key_rows[slots].reshape(-1, head_size)
+    full_v[heads, newest] = value_rows[slots].reshape(-1, head_size)
+    stale_k, stale_v = full_k.clone(), full_v.clone()
+    stale_k[heads, newest] = float("nan")
+    stale_v[heads, newest] = float("nan")
+    tiles = cpu_decode.tile_keys(stale_k)
+    out = cpu_decode.attend(q_rows, tiles, stale_v, lens, kv_per, width, scale, append=(key_rows, value_rows, slots))
+    assert torch.equal(tiles, cpu_decode.tile_keys(full_k)) and torch.equal(stale_v, full_v)
+    again = cpu_decode.attend(q_rows, cpu_decode.tile_keys(full_k), full_v, lens, kv_per, width, scale)
+    assert torch.equal(out, again)
 
 
 class torch_threads:
