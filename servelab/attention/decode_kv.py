@@ -15,8 +15,10 @@ context one token longer, contexts within ``cap``) appends the one new K/V
 row per sequence from the cache (one C call, or a gather and a scatter per
 buffer) instead of gathering everything again. When those rows outgrow
 ``cap``, the next buffers (:data:`GROWTH` times larger) start as a copy of
-the old ones rather than a gather. Any other step starts afresh
-with one gather. For the C kernel's layout that gather goes straight into
+the old ones rather than a gather. When some rows left (requests finished)
+and the others go on in the same order, each layer moves its kept rows down
+in place (no allocation) and appends as usual. Any other step (a row that is
+new, or reordered) starts afresh with one gather. For the C kernel's layout that gather goes straight into
 buffer order (one row gather per buffer over the cache viewed as
 ``[N * B * Hk, D]``, then K's tiling transpose), every position up to
 ``cap`` included: past a row's end it reads the row's own position 0, so
@@ -124,23 +126,32 @@ class DecodeKV:
       the same memory.)
     - ``extends``: this step appends to the last step's buffers; ``grown``: the same rows
       outgrew them, so each layer's buffers here start as a copy of the old ones at the
-      larger ``cap`` (:data:`GROWTH`); neither: a fresh start, one gather per layer.
+      larger ``cap`` (:data:`GROWTH`); ``compacted``: some rows left, the others go on in
+      the same order, so each layer's buffers are the old ones with the kept rows moved
+      down in place (views of their first ``n`` rows); none: a fresh start, one gather per
+      layer.
     """
 
     def __init__(self, table: torch.Tensor, lens: torch.Tensor, block_size: int, cap: int, buffers: dict,
                  extends: bool, order: torch.Tensor | None, buckets: list[tuple[int, int]],
-                 grow_from: dict | None = None) -> None:
+                 grow_from: dict | None = None, compact_from: tuple[dict, list[int]] | None = None) -> None:
         self.table, self.lens, self.block_size, self.cap = table, lens, block_size, cap
         # The last step's buffers when these rows outgrew them (``grown``): each layer's new
         # buffers start as a copy of its old ones (every position but the newest), not as a
         # gather from the paged cache. A copy of the dict, emptied layer by layer.
         self.grown = grow_from is not None
         self._grow_from = dict(grow_from) if grow_from else {}
+        # The last step's buffers and, per buffer row here, the old buffer row it continues,
+        # when some rows left (``compacted``): each layer moves its kept rows down in place.
+        self.compacted = compact_from is not None
+        self._compact_from, self._kept = (dict(compact_from[0]), compact_from[1]) if compact_from else ({}, [])
         self.order, self.buckets = order, buckets
         self.inverse = None if order is None else torch.argsort(order)
         self.row_table = table if order is None else table.index_select(0, order)
         self.row_lens = (lens if order is None else lens.index_select(0, order)).contiguous()  # ascending
         self.row_lens_host = self.row_lens.tolist()
+        # Positions each kept buffer row holds before this step's append (compacted steps).
+        self._kept_lens = [length - 1 for length in self.row_lens_host] if self.compacted else []
         self.max_len = self.row_lens_host[-1]
         last = self.row_lens - 1
         self.new_slots = self.row_table.gather(1, (last // block_size)[:, None])[:, 0] * block_size \
@@ -233,8 +244,14 @@ class DecodeKV:
         n, num_heads = query.shape[:2]
         group = num_heads // num_kv_heads
         # Extending: the last step's buffers; outgrown: new ones holding all but the newest
-        # position (both take this step's row); otherwise one gather of everything.
-        buffers = self.buffers.get(layer) if self.extends else self._grow(layer, flat_k, compute, group)
+        # position; compacted: the last step's, without the rows that left (all three take
+        # this step's row); otherwise one gather of everything.
+        if self.extends:
+            buffers = self.buffers.get(layer)
+        elif self.compacted:
+            buffers = self._compact(layer, flat_k, compute, group)
+        else:
+            buffers = self._grow(layer, flat_k, compute, group)
         append = None  # the kernel's own append: (paged K, paged V, the new rows' slots)
         if buffers is None:
             buffers = self._gather(flat_k, flat_v, compute, group)
@@ -331,6 +348,40 @@ class DecodeKV:
             return _widened(old_k, 1, self.cap // cpu_decode.LANES), _widened(old_v, 2, self.cap), True
         return _widened(old_k, 2, self.cap), _widened(old_v, 3, self.cap), False
 
+    def _compact(self, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """The layer's last buffers without the rows that left: kept buffer row ``j`` moves down
+        from old row ``self._kept[j]`` (increasing, so a move never overwrites a row still to
+        move), in place, and the buffers are their first ``n`` rows (views of the same storage:
+        no allocation, so no fresh page to fault in). Only a row's held positions move (``len -
+        1``, whole tiles for the kernel's K): what lies past them in the destination row is an
+        older row's data, finite, and never read unmasked. ``None`` when the old layer is
+        missing or in the other layout."""
+        old = self._compact_from.pop(layer, None)
+        if old is None:
+            return None
+        old_k, old_v, kernel = old
+        head_size = flat_k.shape[2]
+        if kernel != cpu_decode.supports(compute, head_size, group, flat_k.device) or old_k.dtype != compute:
+            return None
+        # Buffer rows are outermost in every layout; positions are dimension 2 (the kernel's K
+        # viewed as [rows, Hk, cap/16, D * 16]: tiles of 16), or the last (the torch V).
+        old_rows, n = old_v.shape[0], len(self._kept)
+        if kernel:
+            keys, tile = old_k.view(old_rows, -1, old_k.shape[1], old_k.shape[2] * old_k.shape[3]), cpu_decode.LANES
+        else:
+            keys, tile = old_k, 1
+        for row, (source, held) in enumerate(zip(self._kept, self._kept_lens)):
+            if source != row:
+                keys[row, :, : -(-held // tile)].copy_(keys[source, :, : -(-held // tile)])
+                if kernel:
+                    old_v[row, :, :held].copy_(old_v[source, :, :held])
+                else:
+                    old_v[row, ..., :held].copy_(old_v[source, ..., :held])
+        # The storage stays whole: count all of it against the budget.
+        self.bytes += old_k.untyped_storage().nbytes() + old_v.untyped_storage().nbytes()
+        return old_k[: old_k.shape[0] // old_rows * n], old_v[:n], kernel
+
     def _gather(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         n = self.lens.shape[0]
@@ -396,6 +447,10 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
                             previous.buckets)
         return DecodeKV(table, lens, block_size, _grown_cap(previous, max_len), {}, False, previous.order,
                         previous.buckets, grow_from=previous.buffers)
+    if previous is not None and max_len <= previous.cap:
+        kept = _kept_rows(previous, table, lens, block_size)
+        if kept is not None:
+            return _compacted(previous, table, lens, block_size, kept)
     ranked = sorted(range(n), key=lens_host.__getitem__)
     order = None if ranked == list(range(n)) else torch.tensor(ranked, device=lens.device)
     sorted_lens = [lens_host[i] for i in ranked]
@@ -403,6 +458,48 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
     buckets = [(run[0], run[-1] + 1) for run in runs]
     cap = -(-(max_len + HEADROOM) // 16) * 16
     return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)
+
+
+def _kept_rows(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int) -> list[int] | None:
+    """When some of ``previous``'s rows left and the others go on in the same order, each one
+    token longer: per row of this step, the row of ``previous`` it continues (increasing).
+    ``None`` otherwise (no row left, a row is new, or the order changed)."""
+    n_old, n = previous.lens.shape[0], lens.shape[0]
+    if previous.block_size != block_size or not 0 < n < n_old:
+        return None
+    old_lens, new_lens = previous.lens.tolist(), lens.tolist()
+    old_first, new_first = previous.table[:, 0].tolist(), table[:, 0].tolist()
+    kept, p = [], 0
+    for i in range(n):  # the first candidate with the same first block and one token less
+        while p < n_old and (old_first[p] != new_first[i] or old_lens[p] + 1 != new_lens[i]):
+            p += 1
+        if p == n_old:
+            return None
+        kept.append(p)
+        p += 1
+    # Then every block that held a kept row's previous context must be the same.
+    index = torch.tensor(kept, device=lens.device)
+    old_table, held_lens = previous.table.index_select(0, index), previous.lens.index_select(0, index)
+    held = min(old_table.shape[1], table.shape[1])  # a kept row's blocks fit both (old len < new len)
+    used = torch.arange(held, device=table.device)[None, :] < (-(-held_lens // block_size))[:, None]
+    return kept if bool(((table[:, :held] == old_table[:, :held]) | ~used).all()) else None
+
+
+def _compacted(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int,
+               kept: list[int]) -> DecodeKV:
+    """The :class:`DecodeKV` of ``previous``'s rows ``kept`` (one per row here, see
+    :func:`_kept_rows`): its buffer rows are the kept old ones in their old order, which
+    stays sorted by length (every kept row grew by one), so only the buckets are cut again."""
+    old_order = previous.order.tolist() if previous.order is not None else range(previous.lens.shape[0])
+    new_row_of = {old: new for new, old in enumerate(kept)}  # previous step row -> this step's row
+    buffer_rows = [b for b, old in enumerate(old_order) if old in new_row_of]
+    ranked = [new_row_of[old_order[b]] for b in buffer_rows]  # this step's row of each buffer row
+    order = None if ranked == list(range(len(kept))) else torch.tensor(ranked, device=lens.device)
+    lens_host = lens.tolist()
+    runs = bucketing.bucket_sequences([1] * len(kept), [lens_host[i] for i in ranked],
+                                      overhead=bucketing.DECODE_BUCKET_OVERHEAD)
+    return DecodeKV(table, lens, block_size, previous.cap, {}, False, order,
+                    [(run[0], run[-1] + 1) for run in runs], compact_from=(previous.buffers, buffer_rows))
 
 
 def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:

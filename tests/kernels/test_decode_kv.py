@@ -4,7 +4,8 @@ A simulated serving loop: sequences grow one token per step in a paged cache
 (new blocks taken from a shuffled free list), every unused slot poisoned with
 NaN. Each step's attention through the chained plan must match the float64
 reference, equal a fresh (unchained) plan bit for bit, and actually extend
-the previous step's buffers when the rows are the same.
+the previous step's buffers when the rows are the same (grow them when
+outgrown, keep them in place when some rows finished).
 """
 
 from __future__ import annotations
@@ -96,14 +97,14 @@ HEADS = [(1, 1), (4, 2), (6, 3), (8, 1), (5, 5)]
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=8), heads=st.sampled_from(HEADS),
        head_size=st.sampled_from([4, 16]), block_size=st.sampled_from([1, 2, 4, 8]),
        steps=st.integers(1, 6), headroom=st.sampled_from([0, 3, 64]), overhead=st.sampled_from([0, 16, 512]),
-       seed=st.integers(0, 2**16))
-def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps, headroom, overhead, seed):
+       seed=st.integers(0, 2**16), finish=st.booleans())
+def test_carried_steps_match_reference(lens, heads, head_size, block_size, steps, headroom, overhead, seed, finish):
     lens = [max(1, min(n, 4 * min(lens))) for n in lens]  # keep padding under MAX_PADDING
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_kv, "HEADROOM", headroom)  # small: buffers outgrown, regathered
         patch.setattr(sdpa, "DECODE_BUCKET_OVERHEAD", overhead)  # small: many length buckets
         patch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", overhead)  # (what decode_kv reads)
-        run_loop(lens, heads, head_size, block_size, steps, seed)
+        run_loop(lens, heads, head_size, block_size, steps, seed, finish=finish)
 
 
 def test_rows_are_sorted_into_length_buckets(monkeypatch):
@@ -125,8 +126,8 @@ def test_rows_are_sorted_into_length_buckets(monkeypatch):
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
        heads=st.sampled_from(HEADS + [(9, 3), (16, 2), (18, 2)]), head_size=st.sampled_from([16, 32, 48]),
        block_size=st.sampled_from([1, 4, 16]), steps=st.integers(1, 4), headroom=st.sampled_from([0, 3, 64]),
-       seed=st.integers(0, 2**16))
-def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_size, steps, headroom, seed):
+       seed=st.integers(0, 2**16), finish=st.booleans())
+def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_size, steps, headroom, seed, finish):
     """float32 caches: the C kernel (when buildable) and the torch formulation, each within
     float32 rounding of the float64 reference and carried == fresh bit for bit."""
     if kernel == "1" and not cpu_decode.available():
@@ -137,7 +138,7 @@ def test_float32_loop_both_formulations(kernel, lens, heads, head_size, block_si
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_decode.ENV_SWITCH, kernel)
         patch.setattr(decode_kv, "HEADROOM", headroom)
-        plan = run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float32)
+        plan = run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float32, finish=finish)
     group = heads[0] // heads[1]
     expected = kernel == "1" and group <= cpu_decode.MAX_GROUP
     assert all(flag == expected for _, _, flag in plan.decode_kv.buffers.values())
@@ -150,20 +151,26 @@ def _note(text):
         pass
 
 
-def run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float64):
+def run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float64, finish=False):
+    """``steps`` decode steps of the same rows; with ``finish``, before some steps a random
+    subset of the rows (never all) finishes, and the rest go on from compacted buffers."""
     loop = Loop(lens, *heads, head_size, block_size, seed, dtype=dtype)
     rows = list(range(len(lens)))
     _, plan = attend(loop, rows)
     assert plan.decode_kv is not None and not plan.decode_kv.extends
     for _ in range(steps):
+        left = finish and len(rows) > 1 and loop.rng.random() < 0.5
+        if left:
+            rows = sorted(loop.rng.sample(rows, loop.rng.randrange(1, len(rows))))
         for i in rows:
             loop.write(i)
         previous = plan
         _, plan = attend(loop, rows, previous=previous)
-        _note(f"lens {loop.lens}, cap {plan.decode_kv.cap}")
-        carried = max(loop.lens) <= previous.decode_kv.cap
-        assert plan.decode_kv.extends == carried
-        assert plan.decode_kv.grown == (not carried)  # the same rows, outgrown: copied, not gathered
+        _note(f"rows {rows}, lens {loop.lens}, cap {plan.decode_kv.cap}")
+        fits = max(loop.lens[i] for i in rows) <= previous.decode_kv.cap
+        assert plan.decode_kv.extends == (fits and not left)
+        assert plan.decode_kv.grown == (not fits and not left)  # the same rows, outgrown: copied, not gathered
+        assert plan.decode_kv.compacted == (fits and left)  # rows left: the rest kept in place
     return plan
 
 
@@ -196,6 +203,43 @@ def test_outgrown_buffers_grow_from_the_old_ones_without_a_gather(kernel, monkey
     assert grown.decode_kv._grow_from == {}  # every layer took its old buffers (and let go of them)
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["c-kernel", "torch"])
+def test_finished_rows_leave_the_rest_in_place_without_a_gather(kernel, monkeypatch):
+    """Two of five rows finish: the next step gathers nothing and allocates no buffer (the
+    kept rows move down within the old storage), and equals a fresh plan bit for bit."""
+    if kernel == "1" and not cpu_decode.available():
+        pytest.skip("the C kernel is not built here")
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, kernel)
+    monkeypatch.setattr(buckets, "DECODE_BUCKET_OVERHEAD", 0)
+    loop = Loop([30, 3, 17, 5, 25], 4, 2, 16, 4, seed=8, dtype=torch.float32)
+    _, plan = attend(loop, [0, 1, 2, 3, 4])
+    old = {layer: (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+           for layer, (k, v, _) in plan.decode_kv.buffers.items()}
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("rows that go on must keep their buffers, not gather from the cache")
+
+    rows = [0, 2, 4]  # 1 and 3 finished (the shortest: buffer rows 0 and 1, so every kept row moves)
+    for i in rows:
+        loop.write(i)
+    table, seq_lens, qsl = loop.metadata(rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_kv.DecodeKV, "_gather", no_gather)
+        kept = plan_attention(table, seq_lens, qsl, block_size=4, chain=True, previous=plan)
+        query = loop.query(3)
+        out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=kept)
+    assert kept.decode_kv.compacted and kept.decode_kv._compact_from == {}
+    assert {layer: (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+            for layer, (k, v, _) in kept.decode_kv.buffers.items()} == old
+    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
+                            plan=plan_attention(table, seq_lens, qsl, block_size=4, chain=True))
+    assert torch.equal(out, fresh)
+    for i in rows:  # and the compacted buffers extend like any others
+        loop.write(i)
+    _, after = attend(loop, rows, previous=kept)
+    assert after.decode_kv.extends
+
+
 def test_grown_cap_is_geometric_within_the_budget(monkeypatch):
     monkeypatch.setattr(decode_kv, "HEADROOM", 64)
     previous = type("Previous", (), {"cap": 320, "bytes": 0})()
@@ -213,12 +257,12 @@ def test_changed_rows_start_afresh():
     _, plan = attend(loop, [0, 1, 2])
     for i in (0, 1, 2):
         loop.write(i)
-    _, dropped = attend(loop, [0, 2], previous=plan)  # request 1 finished
-    assert not dropped.decode_kv.extends
+    _, dropped = attend(loop, [0, 2], previous=plan)  # request 1 finished: the others kept in place
+    assert not dropped.decode_kv.extends and dropped.decode_kv.compacted
     loop.write(0)
     loop.write(2)
     _, swapped = attend(loop, [2, 0], previous=dropped)  # same requests, other order
-    assert not swapped.decode_kv.extends
+    assert not swapped.decode_kv.extends and not swapped.decode_kv.compacted
     loop.write(0)
     loop.write(2)
     _, same = attend(loop, [2, 0], previous=swapped)
