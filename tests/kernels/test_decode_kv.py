@@ -174,6 +174,26 @@ def run_loop(lens, heads, head_size, block_size, steps, seed, dtype=torch.float6
     return plan
 
 
+def step_without_gather(loop, rows, plan, monkeypatch, why):
+    """One decode step of ``rows`` (each written one token longer) chained from ``plan`` while
+    ``DecodeKV._gather`` raises ``why``; asserts it equals a fresh plan bit for bit; returns its plan."""
+    def no_gather(*args, **kwargs):
+        raise AssertionError(f"{why}, not gather from the cache")
+
+    for i in rows:
+        loop.write(i)
+    table, seq_lens, qsl = loop.metadata(rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_kv.DecodeKV, "_gather", no_gather)
+        chained = plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=True, previous=plan)
+        query = loop.query(len(rows))
+        out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=chained)
+    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
+                            plan=plan_attention(table, seq_lens, qsl, block_size=loop.block_size, chain=True))
+    assert torch.equal(out, fresh)
+    return chained
+
+
 @pytest.mark.parametrize("kernel", ["1", "0"], ids=["c-kernel", "torch"])
 def test_outgrown_buffers_grow_from_the_old_ones_without_a_gather(kernel, monkeypatch):
     if kernel == "1" and not cpu_decode.available():
@@ -185,21 +205,8 @@ def test_outgrown_buffers_grow_from_the_old_ones_without_a_gather(kernel, monkey
     _, plan = attend(loop, rows)
     assert plan.decode_kv.cap == 16 and not plan.decode_kv.grown
 
-    def no_gather(*args, **kwargs):
-        raise AssertionError("an outgrown step must copy its old buffers, not gather from the cache")
-
-    for i in rows:
-        loop.write(i)
-    table, seq_lens, qsl = loop.metadata(rows)
-    with monkeypatch.context() as patch:
-        patch.setattr(decode_kv.DecodeKV, "_gather", no_gather)
-        grown = plan_attention(table, seq_lens, qsl, block_size=4, chain=True, previous=plan)
-        query = loop.query(3)
-        out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=grown)
+    grown = step_without_gather(loop, rows, plan, monkeypatch, "an outgrown step must copy its old buffers")
     assert grown.decode_kv.grown and grown.decode_kv.cap == 32  # max(17 + 0, 1.5 * 16) -> 32 (multiple of 16)
-    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
-                            plan=plan_attention(table, seq_lens, qsl, block_size=4, chain=True))
-    assert torch.equal(out, fresh)
     assert grown.decode_kv._grow_from == {}  # every layer took its old buffers (and let go of them)
 
 
@@ -216,24 +223,11 @@ def test_finished_rows_leave_the_rest_in_place_without_a_gather(kernel, monkeypa
     old = {layer: (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
            for layer, (k, v, _) in plan.decode_kv.buffers.items()}
 
-    def no_gather(*args, **kwargs):
-        raise AssertionError("rows that go on must keep their buffers, not gather from the cache")
-
     rows = [0, 2, 4]  # 1 and 3 finished (the shortest: buffer rows 0 and 1, so every kept row moves)
-    for i in rows:
-        loop.write(i)
-    table, seq_lens, qsl = loop.metadata(rows)
-    with monkeypatch.context() as patch:
-        patch.setattr(decode_kv.DecodeKV, "_gather", no_gather)
-        kept = plan_attention(table, seq_lens, qsl, block_size=4, chain=True, previous=plan)
-        query = loop.query(3)
-        out = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl, plan=kept)
+    kept = step_without_gather(loop, rows, plan, monkeypatch, "rows that go on must keep their buffers")
     assert kept.decode_kv.compacted and kept.decode_kv._compact_from == {}
     assert {layer: (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
             for layer, (k, v, _) in kept.decode_kv.buffers.items()} == old
-    fresh = paged_attention(query, loop.key_cache, loop.value_cache, table, seq_lens, qsl,
-                            plan=plan_attention(table, seq_lens, qsl, block_size=4, chain=True))
-    assert torch.equal(out, fresh)
     for i in rows:  # and the compacted buffers extend like any others
         loop.write(i)
     _, after = attend(loop, rows, previous=kept)
