@@ -12,29 +12,29 @@ sequences read the same context plus one token.
 the compute dtype (``cap`` >= the longest context, with headroom). The next
 step of the *same* sequences (same rows, same block-table prefix, every
 context one token longer, contexts within ``cap``) appends the one new K/V
-row per sequence from the cache (one C call, or a gather and a scatter per
-buffer) instead of gathering everything again. When those rows outgrow
-``cap``, the next buffers (:data:`GROWTH` times larger) start as a copy of
-the old ones rather than a gather. When some rows left (requests finished)
-and the others go on in the same order, each layer moves its kept rows down
-in place (no allocation) and appends as usual. Any other step (a row that is
-new, or reordered) starts afresh with one gather. For the C kernel's layout that gather goes straight into
-buffer order (one row gather per buffer over the cache viewed as
-``[N * B * Hk, D]``, then K's tiling transpose), every position up to
-``cap`` included: past a row's end it reads the row's own position 0, so
-the buffers need no zero fill (half the time of gathering, zero-filling,
-copying and tiling separately, measured in the online benchmark's steps).
+row per sequence from the cache (inside the C kernel's call, or a gather and
+a scatter per buffer) instead of gathering everything again. Outgrown
+buffers are replaced by :data:`GROWTH` times larger ones that start as a
+copy of the old. When some rows left (requests finished) and the others go
+on in order, each layer moves its kept rows down in place. Which rows a step
+continues, and what a step does with the last one's buffers:
+:mod:`servelab.attention.decode_plan`. Any other step (a new or
+reordered row) starts afresh with one gather, for the C kernel's layout
+straight into buffer order (one row gather per buffer over the cache viewed
+as ``[N * B * Hk, D]``, then K's tiling transpose), every position up to
+``cap`` included: past a row's end it reads the row's own position 0, so no
+zero fill (half the time of gathering, zero-filling, copying and tiling
+separately, measured in the online benchmark's steps).
 
 Attention over the buffers has two implementations, chosen per layer:
 
 - **the C kernel** (:mod:`servelab.attention.cpu_decode`; float32, head size
   a multiple of 16, GQA group <= 8, a C compiler on the machine): K in tiles
   of 16 positions (``[n, Hk, cap/16, D, 16]``), V in rows
-  (``[n, Hk, cap, D]``); one call for the scores of every row (``-inf`` past
-  each length, so no buckets and no mask), torch's softmax, one call for
-  the values. About 1.7x faster than the torch formulation with the
-  buffers cold, as they are in a real step (the weights stream through the
-  cache between two reads of a layer's K/V).
+  (``[n, Hk, cap, D]``); one call per layer (each head's append, scores up
+  to its length, so no buckets and no mask, softmax and values). About 1.7x
+  faster than the torch formulation with the buffers cold, as they are in a
+  real step (the weights stream through the cache between two reads).
 - **the torch formulation** (the reference, and the fallback): K in rows
   (``[n, Hk, cap, D]``), V transposed (``[n, Hk, D, cap]``); per length
   bucket ``baddbmm`` (scores plus the length mask), ``softmax`` and ``bmm``,
@@ -54,8 +54,7 @@ forward that completed. (2) Within a carried step: every sequence writes its
 own position ``len - 1``, which lies in its own last, partly filled block.
 Blocks are shared between sequences only once full (prefix caching), so
 that slot is in no other row's carried range. A step that is not pure decode
-(a prompt, a chunk, a draft check) or whose rows differ from the last step's
-starts over.
+(a prompt, a chunk, a draft check) starts over.
 
 Padding: the buffers keep the rows sorted by length and attention runs per
 length bucket (the exact least-padding split of
@@ -71,7 +70,6 @@ from __future__ import annotations
 import torch
 
 from servelab.attention import cpu_decode
-from servelab.attention import buckets as bucketing
 from servelab.attention.cpu_decode import tiled_index
 
 MAX_PADDING = 4.0
@@ -103,7 +101,7 @@ mean step 8% over its median)."""
 class DecodeKV:
     """Dense per-layer K/V of one pure decode step's ``n`` sequences.
 
-    Built by :func:`plan_decode_kv`; one instance per step, handed to the
+    Built by :func:`~servelab.attention.decode_plan.plan_decode_kv`; one instance per step, handed to the
     next step's plan. The buffers keep the sequences sorted by context length
     ("buffer rows"), so a run of similar lengths is a contiguous slice and
     attention goes bucket by bucket (:func:`~servelab.attention.buckets.bucket_sequences`
@@ -325,21 +323,31 @@ class DecodeKV:
             torch.bmm(values[a:b, :, :length], torch.softmax(scores, dim=-1).transpose(1, 2), out=out[a:b])
         return out.transpose(1, 2)
 
+    @staticmethod
+    def _old_layer(previous: dict, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
+                   group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """The last step's buffers of ``layer``, taken out of ``previous`` (the step lets go of
+        them), if this step would build them in the same layout and dtype; else ``None``."""
+        old = previous.pop(layer, None)
+        if old is None or old[2] != cpu_decode.supports(compute, flat_k.shape[2], group, flat_k.device) \
+                or old[0].dtype != compute:
+            return None
+        return old
+
     def _grow(self, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
               group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """The layer's buffers at this step's larger ``cap``, copied from its old ones (which
         hold every position but each row's newest, in the same buffer rows); past the old
         ``cap``, zeros (finite, never read unmasked). ``None`` when this is not a regrowth,
         the old layer is missing or in the other layout, or the budget would be exceeded."""
-        old = self._grow_from.pop(layer, None)
+        old = self._old_layer(self._grow_from, layer, flat_k, compute, group)
         if old is None:
             return None
         old_k, old_v, kernel = old
         num_kv_heads, head_size = flat_k.shape[1:]
         size = self.lens.shape[0] * num_kv_heads * self.cap * head_size  # elements per new buffer
         element = torch.empty((), dtype=compute).element_size()
-        if (kernel != cpu_decode.supports(compute, head_size, group, flat_k.device) or old_k.dtype != compute
-                or self.bytes + 2 * size * element > BUDGET_BYTES):
+        if self.bytes + 2 * size * element > BUDGET_BYTES:
             return None
         self.bytes += 2 * size * element
         # The axis that counts positions: K tiles [n*Hk, cap/16, D, 16] and V [n, Hk, cap, D]
@@ -357,13 +365,10 @@ class DecodeKV:
         1``, whole tiles for the kernel's K): what lies past them in the destination row is an
         older row's data, finite, and never read unmasked. ``None`` when the old layer is
         missing or in the other layout."""
-        old = self._compact_from.pop(layer, None)
+        old = self._old_layer(self._compact_from, layer, flat_k, compute, group)
         if old is None:
             return None
         old_k, old_v, kernel = old
-        head_size = flat_k.shape[2]
-        if kernel != cpu_decode.supports(compute, head_size, group, flat_k.device) or old_k.dtype != compute:
-            return None
         # Buffer rows are outermost in every layout; positions are dimension 2 (the kernel's K
         # viewed as [rows, Hk, cap/16, D * 16]: tiles of 16), or the last (the torch V).
         old_rows, n = old_v.shape[0], len(self._kept)
@@ -420,88 +425,6 @@ class DecodeKV:
         return dense_k, dense_v, kernel
 
 
-def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
-                   previous: DecodeKV | None) -> DecodeKV | None:
-    """The :class:`DecodeKV` of a pure decode step, extending ``previous`` when it holds the
-    same rows one token shorter; ``None`` when padding would exceed :data:`MAX_PADDING`.
-
-    Args:
-        block_table: int32/int64 ``[n, max_blocks]``; lens: int64 ``[n]`` (>= 1),
-        contexts including this step's token; block_size: tokens per block.
-        previous: the last step's (only if nothing wrote the caches since).
-    """
-    n = lens.shape[0]
-    if n == 0:
-        return None
-    lens = lens.long()  # the C kernel reads int64
-    lens_host = lens.tolist()
-    max_len = max(lens_host)
-    if n * max_len > MAX_PADDING * sum(lens_host):
-        return None
-    num_blocks = -(-max_len // block_size)
-    table = block_table[:, :num_blocks].to(torch.int64, copy=True)  # the caller may reuse its buffer
-    if previous is not None and _continues(previous, table, lens, block_size):
-        # Every row one token longer: the sort order and the buckets still hold.
-        if max_len <= previous.cap:
-            return DecodeKV(table, lens, block_size, previous.cap, previous.buffers, True, previous.order,
-                            previous.buckets)
-        return DecodeKV(table, lens, block_size, _grown_cap(previous, max_len), {}, False, previous.order,
-                        previous.buckets, grow_from=previous.buffers)
-    if previous is not None and max_len <= previous.cap:
-        kept = _kept_rows(previous, table, lens, block_size)
-        if kept is not None:
-            return _compacted(previous, table, lens, block_size, kept)
-    ranked = sorted(range(n), key=lens_host.__getitem__)
-    order = None if ranked == list(range(n)) else torch.tensor(ranked, device=lens.device)
-    sorted_lens = [lens_host[i] for i in ranked]
-    runs = bucketing.bucket_sequences([1] * n, sorted_lens, overhead=bucketing.DECODE_BUCKET_OVERHEAD)  # contiguous: input sorted
-    buckets = [(run[0], run[-1] + 1) for run in runs]
-    cap = -(-(max_len + HEADROOM) // 16) * 16
-    return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)
-
-
-def _kept_rows(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int) -> list[int] | None:
-    """When some of ``previous``'s rows left and the others go on in the same order, each one
-    token longer: per row of this step, the row of ``previous`` it continues (increasing).
-    ``None`` otherwise (no row left, a row is new, or the order changed)."""
-    n_old, n = previous.lens.shape[0], lens.shape[0]
-    if previous.block_size != block_size or not 0 < n < n_old:
-        return None
-    old_lens, new_lens = previous.lens.tolist(), lens.tolist()
-    old_first, new_first = previous.table[:, 0].tolist(), table[:, 0].tolist()
-    kept, p = [], 0
-    for i in range(n):  # the first candidate with the same first block and one token less
-        while p < n_old and (old_first[p] != new_first[i] or old_lens[p] + 1 != new_lens[i]):
-            p += 1
-        if p == n_old:
-            return None
-        kept.append(p)
-        p += 1
-    # Then every block that held a kept row's previous context must be the same.
-    index = torch.tensor(kept, device=lens.device)
-    old_table, held_lens = previous.table.index_select(0, index), previous.lens.index_select(0, index)
-    held = min(old_table.shape[1], table.shape[1])  # a kept row's blocks fit both (old len < new len)
-    used = torch.arange(held, device=table.device)[None, :] < (-(-held_lens // block_size))[:, None]
-    return kept if bool(((table[:, :held] == old_table[:, :held]) | ~used).all()) else None
-
-
-def _compacted(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int,
-               kept: list[int]) -> DecodeKV:
-    """The :class:`DecodeKV` of ``previous``'s rows ``kept`` (one per row here, see
-    :func:`_kept_rows`): its buffer rows are the kept old ones in their old order, which
-    stays sorted by length (every kept row grew by one), so only the buckets are cut again."""
-    old_order = previous.order.tolist() if previous.order is not None else range(previous.lens.shape[0])
-    new_row_of = {old: new for new, old in enumerate(kept)}  # previous step row -> this step's row
-    buffer_rows = [b for b, old in enumerate(old_order) if old in new_row_of]
-    ranked = [new_row_of[old_order[b]] for b in buffer_rows]  # this step's row of each buffer row
-    order = None if ranked == list(range(len(kept))) else torch.tensor(ranked, device=lens.device)
-    lens_host = lens.tolist()
-    runs = bucketing.bucket_sequences([1] * len(kept), [lens_host[i] for i in ranked],
-                                      overhead=bucketing.DECODE_BUCKET_OVERHEAD)
-    return DecodeKV(table, lens, block_size, previous.cap, {}, False, order,
-                    [(run[0], run[-1] + 1) for run in runs], compact_from=(previous.buffers, buffer_rows))
-
-
 def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:
     """A copy of ``old`` with dimension ``axis`` lengthened to ``size``: the old entries
     first, zeros after."""
@@ -511,29 +434,3 @@ def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:
     new.narrow(axis, 0, kept).copy_(old)
     new.narrow(axis, kept, size - kept).zero_()
     return new
-
-
-def _grown_cap(previous: DecodeKV, max_len: int) -> int:
-    """``cap`` for rows that outgrew ``previous``'s: :data:`GROWTH` times the old one, at least
-    ``max_len + HEADROOM``, and no more than :data:`BUDGET_BYTES` holds at the old buffers'
-    bytes per position (multiples of 16)."""
-    need = -(-(max_len + HEADROOM) // 16) * 16
-    grown = int(previous.cap * GROWTH)
-    if previous.bytes:
-        grown = min(grown, int(BUDGET_BYTES * previous.cap // previous.bytes))
-    return max(need, grown // 16 * 16)
-
-
-def _continues(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int) -> bool:
-    """Same rows as ``previous`` in the same order, each exactly one token longer (within its
-    ``cap`` or not)."""
-    if (previous.block_size != block_size or previous.lens.shape != lens.shape
-            or not torch.equal(previous.lens + 1, lens)):
-        return False
-    held = previous.table.shape[1]
-    if table.shape[1] < held:
-        return False
-    # Only the columns that held each row's previous context must match (a
-    # table's columns past a row's last block are stale or unset).
-    used = torch.arange(held, device=table.device)[None, :] < (-(-previous.lens // block_size))[:, None]
-    return bool(((table[:, :held] == previous.table) | ~used).all())

@@ -60,7 +60,8 @@ from servelab._internal.attention_checks import check_paged_attention_args
 from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequences re-exported here
     BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
-from servelab.attention.decode_kv import DecodeKV, plan_decode_kv
+from servelab.attention.decode_kv import DecodeKV
+from servelab.attention.decode_plan import plan_decode_kv
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""

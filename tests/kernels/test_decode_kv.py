@@ -21,6 +21,7 @@ from hypothesis.errors import InvalidArgument
 
 import servelab.attention.buckets as buckets
 import servelab.attention.decode_kv as decode_kv
+import servelab.attention.decode_plan as decode_plan
 from servelab.attention import cpu_decode, cpu_kernel_build
 import servelab.attention.sdpa as sdpa
 from servelab.attention.sdpa import paged_attention, plan_attention
@@ -237,13 +238,13 @@ def test_finished_rows_leave_the_rest_in_place_without_a_gather(kernel, monkeypa
 def test_grown_cap_is_geometric_within_the_budget(monkeypatch):
     monkeypatch.setattr(decode_kv, "HEADROOM", 64)
     previous = type("Previous", (), {"cap": 320, "bytes": 0})()
-    assert decode_kv._grown_cap(previous, 321) == 480  # 1.5 x 320 > 321 + 64
-    assert decode_kv._grown_cap(previous, 470) == 544  # at least the context plus the headroom
+    assert decode_plan.grown_cap(previous, 321) == 480  # 1.5 x 320 > 321 + 64
+    assert decode_plan.grown_cap(previous, 470) == 544  # at least the context plus the headroom
     previous.bytes = decode_kv.BUDGET_BYTES // 2  # the budget allows 2 x 320 = 640 positions
     monkeypatch.setattr(decode_kv, "GROWTH", 4.0)
-    assert decode_kv._grown_cap(previous, 321) == 640
+    assert decode_plan.grown_cap(previous, 321) == 640
     previous.bytes = decode_kv.BUDGET_BYTES  # no room to grow at all: the headroom still applies
-    assert decode_kv._grown_cap(previous, 321) == 400
+    assert decode_plan.grown_cap(previous, 321) == 400
 
 
 def test_changed_rows_start_afresh():
