@@ -84,8 +84,9 @@ def _library():
     except KernelBuildError as error:
         if not _warned:
             _warned = True
-            warnings.warn(f"servelab: the C decode-attention kernel is unavailable ({error}); using the torch "
-                          f"formulation. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"servelab: the C CPU kernels (decode attention, RMSNorm) are unavailable ({error}); "
+                          f"using the torch formulations. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning,
+                          stacklevel=4)
         return None
 
 

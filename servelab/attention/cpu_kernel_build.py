@@ -1,4 +1,6 @@
-"""Build, cache, verify and load the C decode-attention kernel (``csrc/decode_attention.c``).
+"""Build, cache, verify and load the C CPU kernels: decode attention (``csrc/decode_attention.c``,
+used by :mod:`servelab.attention.cpu_decode`) and RMSNorm (``csrc/rms_norm.c``, used by
+:mod:`servelab.models.cpu_norm`), one library.
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -6,12 +8,12 @@ constructed (so the first decode step is not a compile), and by
 ``servelab build-kernels``. It runs once per process (under a lock) and
 returns the loaded library or raises :class:`KernelBuildError`.
 
-Flags. The source is compiled with ``$CC`` (default ``cc``) under the first
+Flags. The sources are compiled with ``$CC`` (default ``cc``) under the first
 of :data:`FLAG_SETS` that compiles and verifies: ``-O3 -march=native
 -fopenmp``, then without OpenMP, then without ``-march=native``, then
 ``-O3`` alone.
 
-Cache key. One file per ``(source, compiler version, flags, resolved
+Cache key. One file per ``(sources, compiler version, flags, resolved
 target)`` under :func:`servelab._internal.paths.kernel_cache_dir`
 (``<cache root>/kernels/``, or ``$SERVELAB_KERNEL_CACHE``),
 named by a hash of the four. The *resolved target* is what the compiler will
@@ -47,8 +49,9 @@ from pathlib import Path
 
 from servelab._internal.paths import kernel_cache_dir
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-ABI_VERSION = 6
+SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
+                                  for name in ("decode_attention.c", "rms_norm.c"))
+ABI_VERSION = 7
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -117,25 +120,31 @@ def cache_key(source: bytes, version: str, flags: tuple[str, ...], target: str) 
 
 def library_path(key: str) -> Path:
     """Where the library of cache key ``key`` lives."""
-    return kernel_cache_dir() / f"decode_attention-{key}.so"
+    return kernel_cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def source_bytes() -> bytes:
+    """The sources' contents, concatenated (what the cache key hashes)."""
+    return b"\0".join(path.read_bytes() for path in SOURCES)
 
 
 def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> str | None:
-    """Compile :data:`SOURCE` into ``target`` (atomically: a concurrent build never sees a
+    """Compile :data:`SOURCES` into ``target`` (atomically: a concurrent build never sees a
     partial file); ``None`` on success, else the compiler's last error line."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         done = subprocess.run([cc, *flags, f'-DSERVELAB_BUILD_KEY="{key}"', "-shared", "-fPIC", "-o",
-                               str(partial), str(SOURCE)], capture_output=True, text=True, timeout=_TIMEOUT_S)
+                               str(partial), *map(str, SOURCES)], capture_output=True, text=True, timeout=_TIMEOUT_S)
         if done.returncode != 0:
             return (done.stderr.strip().splitlines()[-1:] or ["unknown error"])[0]
         os.replace(partial, target)
     return None
 
 
-# Runs every entry point on small inputs (GQA groups 1-8, both value loops, 2 threads) and
-# checks the embedded key. ctypes only: quick to start, and a SIGILL kills only this child.
+# Runs every entry point on small inputs (GQA groups 1-8, both value loops, the norm, 2 threads)
+# and checks the embedded key. ctypes only: quick to start, and a SIGILL
+# kills only this child.
 _VERIFY_SCRIPT = r"""
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])
@@ -166,6 +175,13 @@ for d in (16, 64):
         lib.servelab_decode_attention(q, kv * g * d, tiles, values, lens, s, out, heads, kv, g, d, cap, cap, 1.0,
                                       2, k, k, slots)
         assert tiles[(cap - 1) // 16 * d * 16 + (cap - 1) % 16] == 0.25 and values[(cap - 1) * d] == 0.25
+lib.servelab_rms_norm.argtypes = [P, P, P, I, I, F, I]
+for n in (8, 17, 576):
+    x = (ctypes.c_float * (4 * n))(*[2.0] * (4 * n))
+    w = (ctypes.c_float * n)(*[3.0] * n)
+    y = (ctypes.c_float * (4 * n))()
+    lib.servelab_rms_norm(x, w, y, 4, n, 0.0, 2)  # rms 2.0: x / rms * w == 3.0 everywhere
+    assert y[0] == 3.0 and y[4 * n - 1] == 3.0, (y[0], y[4 * n - 1])
 print("ok")
 """
 
@@ -198,6 +214,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, p, p,
                                               p]
     lib.servelab_decode_attention.restype = None
+    lib.servelab_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float, i]
+    lib.servelab_rms_norm.restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 
@@ -232,7 +250,7 @@ def build() -> BuiltKernel:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelBuildError(f"{cc} --version failed: {error}") from None
-    source = SOURCE.read_bytes()
+    source = source_bytes()
     reasons = []
     for flags in FLAG_SETS:
         outcome = _build_one(cc, version, source, flags)

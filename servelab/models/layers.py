@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.models import cpu_norm
 from servelab.models.config import ModelConfig
 from servelab.models.linear import Linear
 
@@ -30,6 +31,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if cpu_norm.usable(x, self.weight):
+            # One C call, the same bits as torch.rms_norm (servelab.models.cpu_norm).
+            return cpu_norm.rms_norm(x, self.weight, self.eps)
         if x.device.type == "cpu" and dtype in _FUSED_NORM_DTYPES and self.weight.dtype == dtype:
             # One call instead of six: on a CPU torch's rms_norm evaluates the
             # same expression (mean of squares, + eps, rsqrt, two multiplies)

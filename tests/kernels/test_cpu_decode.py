@@ -243,7 +243,7 @@ def test_switch_and_no_compiler_fall_back(fresh_build, monkeypatch, tmp_path):
 def test_build_is_cached_and_keyed_by_resolved_target(kernel, fresh_build):
     first = cpu_kernel_build.build()
     assert first.path.parent == fresh_build and first.path.is_file()
-    assert first.path.name == f"decode_attention-{first.key}.so"
+    assert first.path.name == f"cpu_kernels-{first.key}.so"
     stamp = first.path.stat().st_mtime_ns
     assert cpu_kernel_build.build().path == first.path and first.path.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in fresh_build.iterdir()] == [first.path.name]  # no temporaries left
@@ -261,7 +261,7 @@ def test_library_built_for_other_flags_is_never_loaded(kernel, fresh_build, monk
     built_a = cpu_kernel_build.build()
     machine["target"] = "-mfake-b"
     path_b = cpu_kernel_build.library_path(cpu_kernel_build.cache_key(
-        cpu_kernel_build.SOURCE.read_bytes(),
+        cpu_kernel_build.source_bytes(),
         subprocess.run([cpu_kernel_build.compiler(), "--version"], capture_output=True, text=True).stdout,
         built_a.flags, cpu_kernel_build.resolved_target(cpu_kernel_build.compiler(), built_a.flags)))
     assert path_b != built_a.path  # other target flags: another cache entry
@@ -317,7 +317,7 @@ def test_failed_compile_is_an_error_not_a_skip(fresh_build, monkeypatch, tmp_pat
         pytest.skip("no C compiler")
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_kernel_build, "SOURCE", bad)
+    monkeypatch.setattr(cpu_kernel_build, "SOURCES", (bad,))
     with pytest.raises(KernelBuildError, match="-march=native"):
         cpu_kernel_build.build()
 

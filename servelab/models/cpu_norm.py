@@ -1,0 +1,100 @@
+"""RMSNorm in one C call on a CPU, bit-identical to ``torch.rms_norm``; torch is the reference.
+
+Why: on a CPU ``torch.rms_norm`` is a composite of about ten small ops. On a
+decode step the tensors are tiny (``[rows, hidden]`` with a few dozen rows),
+so a norm costs its op dispatches and allocations, not its arithmetic: on a
+2-core AMD EPYC (Zen 4) a norm of ``[1, 256]`` took ~11 us in a warm loop and
+~48 us inside a step (the knock-out of all 9 norms of a 4-layer model saved
+0.44 ms of a 3.5 ms step); the C kernel (``csrc/rms_norm.c``, built with the
+decode-attention kernel by :mod:`servelab.attention.cpu_kernel_build`) takes
+~3 us.
+
+Same bits, checked: the kernel sums the squares in the order torch's CPU sum
+kernel does (the file's header says which), so the result equals
+``torch.rms_norm`` bit for bit, and with it transformers' op-by-op RMSNorm
+(``tests/models/test_layers.py``). That order belongs to a torch build and a
+CPU architecture, so :func:`available` compares the two once per process on
+shapes that reach every branch of the cascade and stays on torch when a
+single bit differs (:func:`unavailable_reason` says why).
+
+Who calls what: :class:`servelab.models.layers.RMSNorm` calls :func:`usable`
+then :func:`rms_norm` on each CPU float32 forward; the kernel is built the
+first time that happens in a process unless the decode path built it first
+(``SERVELAB_CPU_KERNELS=0`` turns both off).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelab.attention import cpu_decode
+
+#: the smallest hidden size the kernel takes (one vector of torch's sum kernel).
+MIN_HIDDEN = 8
+
+_reason: str | None = None
+_checked = False
+_lib = None
+
+
+def _probe(lib) -> str | None:
+    """``None`` when the kernel equals ``torch.rms_norm`` on every probe, else the first mismatch."""
+    gen = torch.Generator().manual_seed(0)
+    # 8: one vector; 17: a scalar tail; 576: groups of 4 vectors plus a remainder;
+    # 8221, 16573: cascade levels carried (>= 256 groups) and every kind of tail; 12 x 4096: threads.
+    for rows, n in ((1, 8), (3, 17), (5, 576), (2, 8221), (1, 16573), (12, 4096)):
+        x = torch.randn(rows, n, generator=gen) * 7.0
+        weight = torch.randn(n, generator=gen)
+        expected = torch.rms_norm(x, (n,), weight, 1e-6)
+        got = torch.empty_like(x)
+        lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), got.data_ptr(), rows, n, 1e-6, torch.get_num_threads())
+        if not torch.equal(got, expected):
+            return (f"its result differs from torch.rms_norm on [{rows}, {n}] (max |diff| "
+                    f"{(got - expected).abs().max().item():.3g}): this torch or CPU sums in another order")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """``None`` when the kernel is built and bit-identical to ``torch.rms_norm`` here, else why not
+    (checked once per process; builds the kernel library if needed)."""
+    global _reason, _checked, _lib
+    if not _checked:
+        if not cpu_decode.available():
+            _reason = "the C CPU kernels are unavailable (no compiler, a failed build, or SERVELAB_CPU_KERNELS=0)"
+        else:
+            lib = cpu_decode._library()
+            _reason = _probe(lib)
+            _lib = lib if _reason is None else None
+        _checked = True
+    return _reason
+
+
+def available() -> bool:
+    """Whether :func:`rms_norm` may run (see :func:`unavailable_reason`)."""
+    return unavailable_reason() is None
+
+
+def reset() -> None:
+    """Forget the check (tests; after ``cpu_kernel_build.reset``)."""
+    global _reason, _checked, _lib
+    _reason, _checked, _lib = None, False, None
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` handles ``x`` ``[..., n]`` and ``weight`` ``[n]``: float32 CPU
+    tensors, both contiguous, ``n >= 8``, autograd not recording, and the kernel available."""
+    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and x.shape[-1] >= MIN_HIDDEN and weight.shape == x.shape[-1:]
+            and x.is_contiguous() and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (_lib is not None or (not _checked and available())))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.rms_norm(x, weight.shape, weight, eps)`` for float32 ``x`` ``[..., n]``, weight ``[n]``
+    (same shape and dtype out). Unchecked beyond :func:`usable`, which the caller must have asked."""
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+                           torch.get_num_threads())
+    return out
