@@ -1,6 +1,7 @@
-"""Build, cache, verify and load the C CPU kernels: decode attention (``csrc/decode_attention.c``,
-used by :mod:`servelab.attention.cpu_decode`) and RMSNorm (``csrc/rms_norm.c``, used by
-:mod:`servelab.models.cpu_norm`), one library.
+"""Build, cache, verify and load the C CPU kernels, one library: decode attention
+(``csrc/decode_attention.c``, used by :mod:`servelab.attention.cpu_decode`), RMSNorm
+(``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`) and RoPE (``csrc/rope.c``,
+:mod:`servelab.models.cpu_rope`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -50,7 +51,7 @@ from pathlib import Path
 from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
-                                  for name in ("decode_attention.c", "rms_norm.c"))
+                                  for name in ("decode_attention.c", "rms_norm.c", "rope.c"))
 ABI_VERSION = 7
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -142,8 +143,8 @@ def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> 
     return None
 
 
-# Runs every entry point on small inputs (GQA groups 1-8, both value loops, the norm, 2 threads)
-# and checks the embedded key. ctypes only: quick to start, and a SIGILL
+# Runs every entry point on small inputs (GQA groups 1-8, both value loops, the norm, the rotation,
+# 2 threads) and checks the embedded key. ctypes only: quick to start, and a SIGILL
 # kills only this child.
 _VERIFY_SCRIPT = r"""
 import ctypes, sys
@@ -182,6 +183,12 @@ for n in (8, 17, 576):
     y = (ctypes.c_float * (4 * n))()
     lib.servelab_rms_norm(x, w, y, 4, n, 0.0, 2)  # rms 2.0: x / rms * w == 3.0 everywhere
     assert y[0] == 3.0 and y[4 * n - 1] == 3.0, (y[0], y[4 * n - 1])
+lib.servelab_rope.argtypes = [P, I, P, P, P, I, I, I, I]
+x = (ctypes.c_float * (3 * 2 * 16))(*[float(i % 16) for i in range(3 * 2 * 16)])
+c, s = (ctypes.c_float * (3 * 16))(*[1.0] * 48), (ctypes.c_float * (3 * 16))(*[0.5] * 48)
+y = (ctypes.c_float * (3 * 2 * 16))()
+lib.servelab_rope(x, 2 * 16, y, c, s, 3, 2, 16, 2)
+assert y[0] == 0.0 * 1.0 + 8.0 * 0.5 and y[3 * 2 * 16 - 1] == 15.0 + 7.0 * 0.5, (y[0], y[95])
 print("ok")
 """
 
@@ -216,6 +223,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_decode_attention.restype = None
     lib.servelab_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float, i]
     lib.servelab_rms_norm.restype = None
+    lib.servelab_rope.argtypes = [p, i, p, p, p, i, i, i, i]
+    lib.servelab_rope.restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

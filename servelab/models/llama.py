@@ -32,6 +32,7 @@ from torch import nn
 
 from servelab.attention import ops as attention_ops
 from servelab.attention.backends import AttentionBackend
+from servelab.models import cpu_rope
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.linear import Linear, PackedWeight, linear
@@ -146,8 +147,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     instead of nine: ``rotate_half(x) * sin`` is ``cat(-x2, x1) * cat(s1, s2)``,
     and ``(-x2) * s1 == x2 * (-s1)`` exactly (IEEE rounding is sign-symmetric),
     so it equals ``roll(x, D/2) * cat(-s1, s2)``; the products and the sum are
-    the same operations in the same order.
+    the same operations in the same order. On a CPU in float32 it is one C
+    call with the same arithmetic (:mod:`servelab.models.cpu_rope`).
     """
+    if cpu_rope.usable(x, cos, signed_sin):
+        return cpu_rope.rope(x, cos, signed_sin)
     rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
     return rotated.add_(x * cos)  # == x * cos + rotated exactly (IEEE addition commutes)
 

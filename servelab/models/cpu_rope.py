@@ -1,0 +1,60 @@
+"""RoPE in one C call on a CPU, the same bits as :func:`servelab.models.llama.rotate` (the reference).
+
+Why: the torch form is a roll, two multiplies and an add, each allocating its
+``[T, heads, D]`` result; on a decode step those are a few kilobytes, so the
+four dispatches are the cost (~15-25 us per layer inside a step on a 2-core
+AMD EPYC, Zen 4). ``csrc/rope.c`` (built with the other CPU kernels by
+:mod:`servelab.attention.cpu_kernel_build`) does the same two rounded products
+and one sum per element in one call. Elementwise with no reduction, so no
+order to match: the bits are equal by construction, and
+``tests/models/test_cpu_rope.py`` holds them equal on random shapes.
+
+Who calls what: :func:`servelab.models.llama.rotate` asks :func:`usable`, then
+calls :func:`rope`; ``SERVELAB_CPU_KERNELS=0`` (read at the first call in a
+process) keeps torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelab.attention import cpu_decode
+
+_lib = None
+_checked = False
+
+
+def _library():
+    global _lib, _checked
+    if not _checked:
+        _lib = cpu_decode._library() if cpu_decode.available() else None
+        _checked = True
+    return _lib
+
+
+def usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+    """Whether :func:`rope` handles these: float32 CPU tensors, ``x`` ``[T, heads, D]`` with heads
+    and dimensions contiguous, ``cos``/``signed_sin`` ``[T, 1, D]`` views of contiguous ``[T, D]``,
+    ``D`` even, autograd not recording, and the kernel library built."""
+    if x.dtype is not torch.float32 or cos.dtype is not torch.float32 or signed_sin.dtype is not torch.float32:
+        return False
+    if x.dim() != 3 or x.device.type != "cpu":
+        return False
+    tokens, heads, head_size = x.shape
+    table = (tokens, 1, head_size)
+    return (head_size % 2 == 0 and x.stride(2) == 1 and x.stride(1) == head_size
+            and cos.shape == table and signed_sin.shape == table
+            and cos.stride(0) == head_size and cos.stride(2) == 1
+            and signed_sin.stride(0) == head_size and signed_sin.stride(2) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or signed_sin.requires_grad))
+            and _library() is not None)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`servelab.models.llama.rotate` of ``x`` ``[T, heads, D]``: a new contiguous
+    ``[T, heads, D]`` float32. Unchecked beyond :func:`usable`, which the caller must have asked."""
+    tokens, heads, head_size = x.shape
+    out = torch.empty(tokens, heads, head_size, dtype=torch.float32)
+    _lib.servelab_rope(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), tokens,
+                       heads, head_size, torch.get_num_threads())
+    return out
