@@ -16,14 +16,19 @@ row per sequence from the cache (inside the C kernel's call, or a gather and
 a scatter per buffer) instead of gathering everything again. Outgrown
 buffers are replaced by :data:`GROWTH` times larger ones that start as a
 copy of the old. When some rows left (requests finished) and the others go
-on in order, each layer moves its kept rows down in place. Which rows a step
-continues, and what a step does with the last one's buffers:
-:mod:`servelab.attention.decode_plan`. Any other step (a new or
-reordered row) starts afresh with one gather, for the C kernel's layout
-straight into buffer order (one row gather per buffer over the cache viewed
-as ``[N * B * Hk, D]``, then K's tiling transpose), every position up to
-``cap`` included: past a row's end it reads the row's own position 0, so no
-zero fill (half the time of gathering, zero-filling, copying and tiling
+on in order, each layer moves its kept rows down in place; rows that join (a
+prompt whose prefill ended) are gathered into the buffer rows after them when
+the buffers' storage has room (fresh buffers are allocated with
+:data:`ROW_HEADROOM` spare rows, never touched until a row joins). The decode
+rows of a mixed step (some rows prefill) are carried the same way, the
+others gathered (:func:`servelab.attention.sdpa.plan_attention`). Which rows
+a step continues, and what a step does with the last one's buffers:
+:mod:`servelab.attention.decode_plan`. Any other step (a reordered row, no
+room) starts afresh with one gather, straight into buffer order (one row
+gather per buffer over the cache viewed as ``[N * B * Hk, D]``, then K's
+tiling transpose for the C kernel's layout), every position up to ``cap``
+included: past a row's end it reads the row's own position 0, so no zero
+fill (half the time of gathering, zero-filling, copying and tiling
 separately, measured in the online benchmark's steps).
 
 Attention over the buffers has two implementations, chosen per layer:
@@ -50,11 +55,17 @@ as long as those slots are not rewritten. (1) Between forwards: the model
 hands a plan to the next step only if no cache tensor was modified in
 between (torch's in-place version counters; see
 :meth:`servelab.models.llama.LlamaForCausalLM.forward`), and only after a
-forward that completed. (2) Within a carried step: every sequence writes its
-own position ``len - 1``, which lies in its own last, partly filled block.
-Blocks are shared between sequences only once full (prefix caching), so
-that slot is in no other row's carried range. A step that is not pure decode
-(a prompt, a chunk, a draft check) starts over.
+forward that completed. (2) Within a carried step: every decode row writes
+its own position ``len - 1``, which lies in its own last, partly filled
+block; the other rows of a mixed step write their new positions into blocks
+of their own too. Blocks are shared between sequences only once full and
+computed (prefix caching; a prompt that hits the cache entirely still
+recomputes its last token, into a block of its own), so no written slot is
+in another row's carried range. (3) Across steps: only the previous step's
+rows are matched, over the same block ids; a block can change owners only
+after its owner left the running batch, and a row that left is never
+matched again. A row whose length did not grow by exactly one (a prompt, a
+chunk, a draft check) is gathered.
 
 Padding: the buffers keep the rows sorted by length and attention runs per
 length bucket (the exact least-padding split of
@@ -81,6 +92,12 @@ BUDGET_BYTES = 512 * 2**20
 """Most bytes of dense K/V buffers one step holds over all layers; a layer
 that would go past it uses the gather path (its step still computes the same
 result)."""
+
+ROW_HEADROOM = 0.5
+"""Spare buffer rows at a fresh start, as a fraction of its rows (at least 4): rows that
+join later (prompts whose prefill ended) are gathered into them instead of the whole
+batch being regathered. Spare rows are never written until then, so their pages are
+never faulted in; the byte budget counts them."""
 
 HEADROOM = 64
 """Extra positions per buffer beyond the longest context at a fresh start, so a
@@ -124,10 +141,10 @@ class DecodeKV:
       the same memory.)
     - ``extends``: this step appends to the last step's buffers; ``grown``: the same rows
       outgrew them, so each layer's buffers here start as a copy of the old ones at the
-      larger ``cap`` (:data:`GROWTH`); ``compacted``: some rows left, the others go on in
-      the same order, so each layer's buffers are the old ones with the kept rows moved
-      down in place (views of their first ``n`` rows); none: a fresh start, one gather per
-      layer.
+      larger ``cap`` (:data:`GROWTH`); ``compacted``: the old buffers reused in place, the
+      kept rows moved down (some rows left) and, when ``joined``, the joining rows gathered
+      into the rows after them (views of the storage's first ``n`` rows); none: a fresh
+      start, one gather per layer.
     """
 
     def __init__(self, table: torch.Tensor, lens: torch.Tensor, block_size: int, cap: int, buffers: dict,
@@ -140,17 +157,19 @@ class DecodeKV:
         self.grown = grow_from is not None
         self._grow_from = dict(grow_from) if grow_from else {}
         # The last step's buffers and, per buffer row here, the old buffer row it continues,
-        # when some rows left (``compacted``): each layer moves its kept rows down in place.
+        # when rows left or joined (``compacted``): each layer reuses them in place.
         self.compacted = compact_from is not None
         self._compact_from, self._kept = (dict(compact_from[0]), compact_from[1]) if compact_from else ({}, [])
+        self.joined = self.compacted and len(self._kept) < lens.shape[0]
         self.order, self.buckets = order, buckets
         self.inverse = None if order is None else torch.argsort(order)
         self.row_table = table if order is None else table.index_select(0, order)
-        self.row_lens = (lens if order is None else lens.index_select(0, order)).contiguous()  # ascending
+        # Ascending within each bucket (a bucket's last row is its longest).
+        self.row_lens = (lens if order is None else lens.index_select(0, order)).contiguous()
         self.row_lens_host = self.row_lens.tolist()
         # Positions each kept buffer row holds before this step's append (compacted steps).
-        self._kept_lens = [length - 1 for length in self.row_lens_host] if self.compacted else []
-        self.max_len = self.row_lens_host[-1]
+        self._kept_lens = [length - 1 for length in self.row_lens_host[:len(self._kept)]]
+        self.max_len = max(self.row_lens_host)
         last = self.row_lens - 1
         self.new_slots = self.row_table.gather(1, (last // block_size)[:, None])[:, 0] * block_size \
             + last % block_size
@@ -247,7 +266,7 @@ class DecodeKV:
         if self.extends:
             buffers = self.buffers.get(layer)
         elif self.compacted:
-            buffers = self._compact(layer, flat_k, compute, group)
+            buffers = self._compact(layer, flat_k, flat_v, compute, group)
         else:
             buffers = self._grow(layer, flat_k, compute, group)
         append = None  # the kernel's own append: (paged K, paged V, the new rows' slots)
@@ -356,22 +375,27 @@ class DecodeKV:
             return _widened(old_k, 1, self.cap // cpu_decode.LANES), _widened(old_v, 2, self.cap), True
         return _widened(old_k, 2, self.cap), _widened(old_v, 3, self.cap), False
 
-    def _compact(self, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
+    def _compact(self, layer: tuple, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
                  group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """The layer's last buffers without the rows that left: kept buffer row ``j`` moves down
-        from old row ``self._kept[j]`` (increasing, so a move never overwrites a row still to
-        move), in place, and the buffers are their first ``n`` rows (views of the same storage:
-        no allocation, so no fresh page to fault in). Only a row's held positions move (``len -
-        1``, whole tiles for the kernel's K): what lies past them in the destination row is an
-        older row's data, finite, and never read unmasked. ``None`` when the old layer is
-        missing or in the other layout."""
+        """The layer's last buffers reused in place: kept buffer row ``j`` moves down from old
+        row ``self._kept[j]`` (increasing, so a move never overwrites a row still to move), the
+        joining rows are gathered into the rows after them, and the buffers are views of the
+        storage's first ``n`` rows (no allocation, so no fresh page to fault in). Only a row's
+        held positions move (``len - 1``, whole tiles for the kernel's K): what lies past them
+        in the destination row is an older row's data, finite, and never read unmasked.
+        ``None`` when the old layer is missing or in the other layout, or rows join and its
+        storage has no room for them (or the caches cannot be gathered by rows)."""
         old = self._old_layer(self._compact_from, layer, flat_k, compute, group)
         if old is None:
             return None
         old_k, old_v, kernel = old
         # Buffer rows are outermost in every layout; positions are dimension 2 (the kernel's K
         # viewed as [rows, Hk, cap/16, D * 16]: tiles of 16), or the last (the torch V).
-        old_rows, n = old_v.shape[0], len(self._kept)
+        old_rows, n = old_v.shape[0], self.lens.shape[0]
+        k_rows = old_k.shape[0] // old_rows * n  # the kernel's K has Hk rows per buffer row
+        if self.joined and (_storage_rows(old_v) < n or _storage_rows(old_k) < k_rows
+                            or not (flat_k.is_contiguous() and flat_v.is_contiguous())):
+            return None
         if kernel:
             keys, tile = old_k.view(old_rows, -1, old_k.shape[1], old_k.shape[2] * old_k.shape[3]), cpu_decode.LANES
         else:
@@ -385,27 +409,61 @@ class DecodeKV:
                     old_v[row, ..., :held].copy_(old_v[source, ..., :held])
         # The storage stays whole: count all of it against the budget.
         self.bytes += old_k.untyped_storage().nbytes() + old_v.untyped_storage().nbytes()
-        return old_k[: old_k.shape[0] // old_rows * n], old_v[:n], kernel
+        dense_k = old_k.as_strided((k_rows, *old_k.shape[1:]), old_k.stride())
+        dense_v = old_v.as_strided((n, *old_v.shape[1:]), old_v.stride())
+        if self.joined:
+            self._gather_rows(flat_k, flat_v, dense_k, dense_v, kernel, len(self._kept), compute)
+        return dense_k, dense_v, kernel
+
+    def _gather_rows(self, flat_k: torch.Tensor, flat_v: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor,
+                     kernel: bool, start: int, compute: torch.dtype) -> None:
+        """Gather buffer rows ``[start, n)`` (every position up to ``cap``: past a row's end its
+        own position 0, finite) from contiguous caches viewed as ``[N * B * Hk, D]`` straight
+        into their place in the layer's buffers: one row gather per buffer, plus K's tiling
+        transpose for the kernel's layout, V's for the torch formulation's."""
+        num_kv_heads, head_size = flat_k.shape[1:]
+        rows, per_row = self.lens.shape[0] - start, num_kv_heads * self.cap
+        index = self.head_slots(num_kv_heads)[start * per_row:]
+        keys = flat_k.view(-1, head_size).index_select(0, index).to(compute)  # [rows * Hk * cap, D]
+        values = flat_v.view(-1, head_size).index_select(0, index).to(compute)
+        if kernel:  # K [n * Hk, cap/16, D, 16]; V [n, Hk, cap, D]
+            dense_k[start * num_kv_heads:].copy_(
+                keys.view(rows * num_kv_heads, self.cap // cpu_decode.LANES, cpu_decode.LANES, head_size)
+                .transpose(2, 3))
+            dense_v[start:].copy_(values.view(rows, num_kv_heads, self.cap, head_size))
+        else:  # K [n, Hk, cap, D]; V [n, Hk, D, cap]
+            dense_k[start:].copy_(keys.view(rows, num_kv_heads, self.cap, head_size))
+            dense_v[start:].copy_(values.view(rows, num_kv_heads, self.cap, head_size).transpose(2, 3))
 
     def _gather(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """Fresh buffers for every row, gathered from the caches (:meth:`_gather_rows` when
+        they are contiguous, into storage with :data:`ROW_HEADROOM` spare rows); ``None`` over
+        the byte budget."""
         n = self.lens.shape[0]
         num_kv_heads, head_size = flat_k.shape[1:]
-        size = n * num_kv_heads * self.cap * head_size
+        kernel = cpu_decode.supports(compute, head_size, group, flat_k.device)
         element = torch.empty((), dtype=compute).element_size()
+        if flat_k.is_contiguous() and flat_v.is_contiguous():
+            spare = max(4, int(n * ROW_HEADROOM))
+            size = (n + spare) * num_kv_heads * self.cap * head_size
+            if self.bytes + 2 * size * element > BUDGET_BYTES:
+                return None
+            self.bytes += 2 * size * element
+            tiles, device = self.cap // cpu_decode.LANES, flat_k.device
+            if kernel:
+                shapes = ((n + spare) * num_kv_heads, tiles, head_size, cpu_decode.LANES), \
+                    (n + spare, num_kv_heads, self.cap, head_size)
+            else:
+                shapes = (n + spare, num_kv_heads, self.cap, head_size), (n + spare, num_kv_heads, head_size, self.cap)
+            dense_k, dense_v = (torch.empty(shape, dtype=compute, device=device)[: shape[0] // (n + spare) * n]
+                                for shape in shapes)
+            self._gather_rows(flat_k, flat_v, dense_k, dense_v, kernel, 0, compute)
+            return dense_k, dense_v, kernel
+        size = n * num_kv_heads * self.cap * head_size
         if self.bytes + 2 * size * element > BUDGET_BYTES:
             return None
-        kernel = cpu_decode.supports(compute, head_size, group, flat_k.device)
         shape, device = (n, num_kv_heads, self.cap, head_size), flat_k.device
-        if kernel and flat_k.is_contiguous() and flat_v.is_contiguous():
-            # Straight into buffer order: one row gather per buffer (each buffer row a [D]
-            # row of the cache viewed as [N * B * Hk, D]), plus K's tiling transpose.
-            index = self.head_slots(num_kv_heads)
-            rows = flat_k.view(-1, head_size).index_select(0, index).to(compute)
-            dense_k = cpu_decode.tile_keys(rows.view(-1, self.cap, head_size))
-            dense_v = flat_v.view(-1, head_size).index_select(0, index).to(compute).view(shape)
-            self.bytes += 2 * size * element
-            return dense_k, dense_v, kernel
         slots = self.context_slots()
         # Positions past max_len are never read unmasked, but must be finite: zeros.
         keys = flat_k.index_select(0, slots).view(n, self.max_len, num_kv_heads, head_size).transpose(1, 2)
@@ -423,6 +481,12 @@ class DecodeKV:
             dense_v[..., : self.max_len] = values.transpose(2, 3)
         self.bytes += 2 * size * element
         return dense_k, dense_v, kernel
+
+
+def _storage_rows(buffer: torch.Tensor) -> int:
+    """How many rows (``buffer[0]``'s size) ``buffer``'s storage holds from its first row on."""
+    row_bytes = buffer[0].numel() * buffer.element_size()
+    return (buffer.untyped_storage().nbytes() - buffer.storage_offset() * buffer.element_size()) // row_bytes
 
 
 def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:

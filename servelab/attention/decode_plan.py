@@ -11,9 +11,10 @@ held the old context is the same block in the same column, and its length is one
 
 - :func:`continues`: the same rows in the same order (the common step): the step extends
   the last buffers, or grows them (:func:`grown_cap`) when the rows outgrew them;
-- :func:`kept_rows`: some rows left (their requests finished), the others in the same
-  order (a scheduler keeps its running order when a request ends): the step compacts
-  the last buffers in place.
+- :func:`matched_rows`: some rows left (their requests finished) and/or some joined (a
+  prompt whose prefill just ended), the others in the same order (a scheduler keeps its
+  running order): the step reuses the last buffers in place, the kept rows moved down
+  and the joining ones gathered into the rows after them.
 
 :func:`plan_decode_kv` decides; the buffers are built or reused per layer by
 :meth:`DecodeKV.attend <servelab.attention.decode_kv.DecodeKV.attend>`. The settings
@@ -51,42 +52,47 @@ def continues(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block
     return same_blocks(previous.table, previous.lens, table, block_size)
 
 
-def kept_rows(previous: DecodeKV, table: torch.Tensor, lens_host: list[int], block_size: int) -> list[int] | None:
-    """When some of ``previous``'s rows left and the others go on in the same order, each
-    one token longer: per row of this step (lengths ``lens_host``), the row of ``previous``
-    it continues (increasing). ``None`` otherwise (no row left, a row is new, or the order
-    changed)."""
+def matched_rows(previous: DecodeKV, table: torch.Tensor, lens_host: list[int],
+                 block_size: int) -> list[int | None] | None:
+    """Per row of this step (lengths ``lens_host``), the row of ``previous`` it continues (one
+    token longer, over the same blocks), or ``None`` for a row that joins; the continued rows
+    increase. ``None`` when no row continues one, or a candidate's blocks differ."""
     n_old, n = previous.lens.shape[0], len(lens_host)
-    if previous.block_size != block_size or not 0 < n < n_old:
+    if previous.block_size != block_size or n == 0:
         return None
     old_lens = previous.lens.tolist()
     old_first, new_first = previous.table[:, 0].tolist(), table[:, 0].tolist()
-    kept, p = [], 0
-    for i in range(n):  # the first candidate with the same first block and one token less
-        while p < n_old and (old_first[p] != new_first[i] or old_lens[p] + 1 != lens_host[i]):
-            p += 1
-        if p == n_old:
-            return None
-        kept.append(p)
-        p += 1
-    # Then every block that held a kept row's previous context must be the same.
-    index = torch.tensor(kept, device=previous.lens.device)
-    if not same_blocks(previous.table.index_select(0, index), previous.lens.index_select(0, index), table,
-                       block_size):
+    matched: list[int | None] = []
+    p = 0
+    for i in range(n):  # the next old row with the same first block and one token less, if any
+        q = p
+        while q < n_old and (old_first[q] != new_first[i] or old_lens[q] + 1 != lens_host[i]):
+            q += 1
+        matched.append(q if q < n_old else None)
+        p = q + 1 if q < n_old else p
+    kept = [(i, old) for i, old in enumerate(matched) if old is not None]
+    if not kept:
         return None
-    return kept
+    # Then every block that held a kept row's previous context must be the same.
+    new_index = torch.tensor([i for i, _ in kept], device=table.device)
+    old_index = torch.tensor([old for _, old in kept], device=previous.lens.device)
+    if not same_blocks(previous.table.index_select(0, old_index), previous.lens.index_select(0, old_index),
+                       table.index_select(0, new_index), block_size):
+        return None
+    return matched
 
 
 def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
                    previous: DecodeKV | None) -> DecodeKV | None:
-    """The :class:`DecodeKV` of a pure decode step: ``previous``'s buffers extended (the same
-    rows, one token longer), grown (those rows outgrew them) or compacted (some rows left);
-    else a fresh start. ``None`` when padding would exceed
+    """The :class:`DecodeKV` of a step's decode rows: ``previous``'s buffers extended (the same
+    rows, one token longer), grown (those rows outgrew them) or reused in place (some rows
+    left, some joined); else a fresh start. ``None`` when padding would exceed
     :data:`~servelab.attention.decode_kv.MAX_PADDING`.
 
     Args:
         block_table: int32/int64 ``[n, max_blocks]``; lens: int64 ``[n]`` (>= 1),
-        contexts including this step's token; block_size: tokens per block.
+        contexts including this step's token; block_size: tokens per block (the decode
+        rows of the step, in its order).
         previous: the last step's (only if nothing wrote the caches since).
     """
     n = lens.shape[0]
@@ -107,38 +113,51 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
         return DecodeKV(table, lens, block_size, grown_cap(previous, max_len), {}, False, previous.order,
                         previous.buckets, grow_from=previous.buffers)
     if previous is not None and max_len <= previous.cap:
-        kept = kept_rows(previous, table, lens_host, block_size)
-        if kept is not None:
-            return _compacted(previous, table, lens, lens_host, block_size, kept)
+        matched = matched_rows(previous, table, lens_host, block_size)
+        if matched is not None and (None not in matched or _kernel_only(previous)):
+            return _reused(previous, table, lens, lens_host, block_size, matched)
     ranked = sorted(range(n), key=lens_host.__getitem__)
     order = None if ranked == list(range(n)) else torch.tensor(ranked, device=lens.device)
-    sorted_lens = [lens_host[i] for i in ranked]
-    buckets = _length_buckets(sorted_lens)
+    buckets = _length_buckets([lens_host[i] for i in ranked])
     cap = -(-(max_len + decode_kv.HEADROOM) // 16) * 16
     return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)
 
 
-def _compacted(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, lens_host: list[int],
-               block_size: int, kept: list[int]) -> DecodeKV:
-    """The :class:`DecodeKV` of ``previous``'s rows ``kept`` (one per row here, see
-    :func:`kept_rows`): its buffer rows are the kept old ones
-    in their old order, which stays sorted by length (every kept row grew by one), so only
-    the buckets are cut again."""
+def _reused(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, lens_host: list[int],
+            block_size: int, matched: list[int | None]) -> DecodeKV:
+    """The :class:`DecodeKV` reusing ``previous``'s buffers in place (see :func:`matched_rows`):
+    its first buffer rows are the kept old ones in their old buffer order (every kept row grew
+    by one, so each ascending run of lengths stays one), then the joining rows, shortest first;
+    the buckets are cut again, run by run."""
     old_order = previous.order.tolist() if previous.order is not None else range(previous.lens.shape[0])
-    new_row_of = {old: new for new, old in enumerate(kept)}  # previous step row -> this step's row
+    new_row_of = {old: new for new, old in enumerate(matched) if old is not None}  # previous row -> row here
     buffer_rows = [b for b, old in enumerate(old_order) if old in new_row_of]
     ranked = [new_row_of[old_order[b]] for b in buffer_rows]  # this step's row of each buffer row
-    order = None if ranked == list(range(len(kept))) else torch.tensor(ranked, device=lens.device)
+    ranked += sorted((i for i, old in enumerate(matched) if old is None), key=lens_host.__getitem__)
+    order = None if ranked == list(range(len(matched))) else torch.tensor(ranked, device=lens.device)
     return DecodeKV(table, lens, block_size, previous.cap, {}, False, order,
                     _length_buckets([lens_host[i] for i in ranked]), compact_from=(previous.buffers, buffer_rows))
 
 
-def _length_buckets(sorted_lens: list[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` buffer-row ranges of the least-padding split of ascending lengths
-    (contiguous runs, since the input is sorted)."""
-    runs = bucketing.bucket_sequences([1] * len(sorted_lens), sorted_lens,
-                                      overhead=bucketing.DECODE_BUCKET_OVERHEAD)
-    return [(run[0], run[-1] + 1) for run in runs]
+def _kernel_only(previous: DecodeKV) -> bool:
+    """Whether every layer of ``previous`` ran the C kernel, the only formulation whose bits do
+    not depend on how rows are bucketed. Rows join only then: a joining row goes after the
+    kept ones, so the buffer order is no longer sorted by length, and the torch formulation's
+    buckets (hence its last bits) would then differ from a fresh start's."""
+    return bool(previous.buffers) and all(kernel for _, _, kernel in previous.buffers.values())
+
+
+def _length_buckets(lens: list[int]) -> list[tuple[int, int]]:
+    """``(start, stop)`` buffer-row ranges cutting lengths in buffer order: each maximal
+    ascending run split the least-padding way (so a bucket's last row is its longest)."""
+    buckets, start = [], 0
+    for stop in range(1, len(lens) + 1):
+        if stop == len(lens) or lens[stop] < lens[stop - 1]:
+            runs = bucketing.bucket_sequences([1] * (stop - start), lens[start:stop],
+                                              overhead=bucketing.DECODE_BUCKET_OVERHEAD)
+            buckets += [(start + run[0], start + run[-1] + 1) for run in runs]
+            start = stop
+    return buckets
 
 
 def grown_cap(previous: DecodeKV, max_len: int) -> int:

@@ -110,9 +110,13 @@ class AttentionPlan:
     causal: bool
     sliding_window: int | None
     groups: list[_Group]
-    decode_kv: DecodeKV | None = None  # a pure decode step's carried K/V (``plan_attention(chain=True)``)
+    decode_kv: DecodeKV | None = None  # the decode rows' carried K/V (``plan_attention(chain=True)``)
     tree: bool = False  # planned with a TreeMask (token trees: gathered path, never carried K/V)
     _deferred: tuple | None = None  # arguments to plan ``groups`` on first need (a decode_kv plan)
+    # A mixed step with carried decode rows: their token rows (int64 [d], the decode_kv's row
+    # order; None when every row is a decode row, in order) and the groups of the other rows.
+    decode_tokens: torch.Tensor | None = None
+    other_groups: list[_Group] = field(default_factory=list)
 
     def gather_groups(self) -> list[_Group]:
         """The padded gather groups; for a ``decode_kv`` plan, planned on first need (a layer
@@ -151,22 +155,49 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
     if tree_mask is not None:
         groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window, tree_mask)
         return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups, tree=True)
-    if chain and causal and sliding_window is None and num_tokens == lens.shape[0] > 0:
-        carried = plan_decode_kv(block_table, lens, block_size, previous.decode_kv if previous else None)
-        if carried is not None:
-            deferred = (block_table, lens, starts, block_size, causal, sliding_window)
-            return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, [],
-                                 decode_kv=carried, _deferred=deferred)
+    if chain and causal and sliding_window is None and lens.shape[0] > 0:
+        plan = _plan_carried(block_table, lens, starts, block_size, num_tokens,
+                             previous.decode_kv if previous else None)
+        if plan is not None:
+            return plan
     groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window)
     return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
 
 
+def _plan_carried(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
+                  num_tokens: int, previous: DecodeKV | None) -> AttentionPlan | None:
+    """A causal, windowless step whose decode rows (one query row each) carry their K/V in a
+    :class:`DecodeKV`; the other rows of a mixed step (prompts, chunks) are gathered groups.
+    ``None`` when no decode row can be carried (then the whole step is gathered)."""
+    num_seqs = int(lens.shape[0])
+    deferred = (block_table, lens, starts, block_size, True, None)
+    if num_tokens == num_seqs:  # a pure decode step: every row, in order
+        carried = plan_decode_kv(block_table, lens, block_size, previous)
+        return None if carried is None else AttentionPlan(num_tokens, num_seqs, block_size, True, None, [],
+                                                          decode_kv=carried, _deferred=deferred)
+    q_lens = starts[1:] - starts[:-1]
+    decoding = torch.nonzero(q_lens == 1).flatten()
+    if not decoding.numel():
+        return None
+    carried = plan_decode_kv(block_table.index_select(0, decoding), lens.index_select(0, decoding), block_size,
+                             previous)
+    if carried is None:
+        return None
+    others = _plan_groups(block_table, lens, starts, block_size, True, None, decode_rows=False)
+    return AttentionPlan(num_tokens, num_seqs, block_size, True, None, [], decode_kv=carried, _deferred=deferred,
+                         decode_tokens=starts.index_select(0, decoding), other_groups=others)
+
+
 def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
-                 causal: bool, sliding_window: int | None, tree_mask: TreeMask | None = None) -> list[_Group]:
+                 causal: bool, sliding_window: int | None, tree_mask: TreeMask | None = None, *,
+                 decode_rows: bool | None = None) -> list[_Group]:
+    """The padded groups of the step's rows: of the decode rows (one query row) and of the
+    others, or of one kind only (``decode_rows`` True / False)."""
     device = lens.device
     q_lens = starts[1:] - starts[:-1]
     groups = []
-    for decoding, costs in ((True, DECODE_BUCKET_OVERHEAD), (False, BUCKET_OVERHEAD)):
+    kinds = ((True, DECODE_BUCKET_OVERHEAD), (False, BUCKET_OVERHEAD))
+    for decoding, costs in kinds if decode_rows is None else [kinds[0 if decode_rows else 1]]:
         members = torch.nonzero(q_lens == 1 if decoding else q_lens > 1).flatten()
         if not members.numel():
             continue
@@ -321,10 +352,15 @@ def paged_attention(
                     tree_mask is not None)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     if plan.decode_kv is not None:
-        attn = plan.decode_kv.attend(query, key_cache, value_cache, scale, compute)
+        decoding = query if plan.decode_tokens is None else query.index_select(0, plan.decode_tokens)
+        attn = plan.decode_kv.attend(decoding, key_cache, value_cache, scale, compute)
         if attn is not None:
             attn = attn.to(query.dtype)
-            return attn if out is None else out.copy_(attn)
+            if plan.decode_tokens is None:
+                return attn if out is None else out.copy_(attn)
+            result = out if out is not None else torch.empty_like(query)
+            result.index_copy_(0, plan.decode_tokens, attn)
+            return _attend_groups(plan.other_groups, query, key_cache, value_cache, scale, compute, result)
     groups = plan.gather_groups()
     if len(groups) == 1 and groups[0].identity:
         g = groups[0]
@@ -336,6 +372,12 @@ def paged_attention(
             return attn
         return out.copy_(attn)
     result = out if out is not None else torch.empty_like(query)
+    return _attend_groups(groups, query, key_cache, value_cache, scale, compute, result)
+
+
+def _attend_groups(groups: list[_Group], query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   scale: float, compute: torch.dtype, result: torch.Tensor) -> torch.Tensor:
+    """Each group's gather and SDPA call, its rows written into ``result`` ``[T, Hq, D]``."""
     for g in groups:
         q = query.index_select(0, g.q_index.flatten()).view(*g.q_index.shape, *query.shape[1:]).to(compute)
         k = _gather(key_cache, g).to(compute)  # [n, max_kv, Hk, D]
