@@ -23,10 +23,12 @@ few padded problems, and every layer reuses that plan:
   diagonal) and lets the kernel skip the blocks above the diagonal.
 
 With ``plan_attention(chain=True, previous=...)`` (the model passes it when
-the backend declares ``"plan_chaining"``) a pure decode step is planned
-instead as a :class:`~servelab.attention.decode_kv.DecodeKV`: dense K/V
-buffers carried from the previous step, extended by one row per sequence,
-so consecutive decode steps of the same sequences gather nothing.
+the backend declares ``"plan_chaining"``) the decode rows of a causal,
+windowless step are planned instead as a
+:class:`~servelab.attention.decode_kv.DecodeKV`: dense K/V buffers carried
+from the previous step, extended by one position per sequence, so
+consecutive decode steps of the same sequences gather nothing; in a mixed
+step only the other rows (prompts, chunks) are gathered groups.
 
 For each group the plan holds the per-token gather indices of its K/V
 (``block_table[i, p // B]``, ``p % B``; positions past a sequence's end read
