@@ -93,11 +93,12 @@ BUDGET_BYTES = 512 * 2**20
 that would go past it uses the gather path (its step still computes the same
 result)."""
 
-ROW_HEADROOM = 0.5
+ROW_HEADROOM = 0.25
 """Spare buffer rows at a fresh start, as a fraction of its rows (at least 4): rows that
 join later (prompts whose prefill ended) are gathered into them instead of the whole
-batch being regathered. Spare rows are never written until then, so their pages are
-never faulted in; the byte budget counts them."""
+batch being regathered. Spare rows are address space only until a row joins (never
+written, so their pages are never faulted in): a fresh start counts the rows it fills
+against :data:`BUDGET_BYTES`, a step that reuses a storage counts all of it."""
 
 HEADROOM = 64
 """Extra positions per buffer beyond the longest context at a fresh start, so a
@@ -438,18 +439,18 @@ class DecodeKV:
     def _gather(self, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """Fresh buffers for every row, gathered from the caches (:meth:`_gather_rows` when
-        they are contiguous, into storage with :data:`ROW_HEADROOM` spare rows); ``None`` over
-        the byte budget."""
+        they are contiguous, into a storage with :data:`ROW_HEADROOM` spare rows); ``None``
+        over the byte budget."""
         n = self.lens.shape[0]
         num_kv_heads, head_size = flat_k.shape[1:]
         kernel = cpu_decode.supports(compute, head_size, group, flat_k.device)
         element = torch.empty((), dtype=compute).element_size()
+        size = n * num_kv_heads * self.cap * head_size
+        if self.bytes + 2 * size * element > BUDGET_BYTES:
+            return None
+        self.bytes += 2 * size * element
         if flat_k.is_contiguous() and flat_v.is_contiguous():
             spare = max(4, int(n * ROW_HEADROOM))
-            size = (n + spare) * num_kv_heads * self.cap * head_size
-            if self.bytes + 2 * size * element > BUDGET_BYTES:
-                return None
-            self.bytes += 2 * size * element
             tiles, device = self.cap // cpu_decode.LANES, flat_k.device
             if kernel:
                 shapes = ((n + spare) * num_kv_heads, tiles, head_size, cpu_decode.LANES), \
@@ -460,9 +461,6 @@ class DecodeKV:
                                 for shape in shapes)
             self._gather_rows(flat_k, flat_v, dense_k, dense_v, kernel, 0, compute)
             return dense_k, dense_v, kernel
-        size = n * num_kv_heads * self.cap * head_size
-        if self.bytes + 2 * size * element > BUDGET_BYTES:
-            return None
         shape, device = (n, num_kv_heads, self.cap, head_size), flat_k.device
         slots = self.context_slots()
         # Positions past max_len are never read unmasked, but must be finite: zeros.
@@ -479,7 +477,6 @@ class DecodeKV:
             dense_k[:, :, : self.max_len] = keys
             dense_v = torch.zeros(n, num_kv_heads, head_size, self.cap, dtype=compute, device=device)
             dense_v[..., : self.max_len] = values.transpose(2, 3)
-        self.bytes += 2 * size * element
         return dense_k, dense_v, kernel
 
 
