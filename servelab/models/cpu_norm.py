@@ -25,6 +25,8 @@ first time that happens in a process unless the decode path built it first
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from servelab.attention import cpu_decode
@@ -34,7 +36,7 @@ MIN_HIDDEN = 8
 
 _reason: str | None = None
 _checked = False
-_lib = None
+_lib: Any = None  # the ctypes library once checked
 
 
 def _probe(lib) -> str | None:

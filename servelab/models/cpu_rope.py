@@ -16,11 +16,13 @@ process) keeps torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from servelab.attention import cpu_decode
 
-_lib = None
+_lib: Any = None  # the ctypes library once checked
 _checked = False
 
 
