@@ -418,6 +418,10 @@ class BlockPool:
             return
         index = self.cached_block_hash_to_block
         added = []
+        # A policy that links blocks (on_cached) gets each block's parent as the index held it
+        # right after that block was added, as the reference records it (not after the whole
+        # call: a block added later in the same call is never an earlier block's parent).
+        parents: list[KVCacheBlock | None] | None = [] if self._on_cached is not None else None
         try:
             for i in range(num_cached_blocks, num_full_blocks):
                 block, block_hash = blocks[i], block_hashes[i]
@@ -427,6 +431,8 @@ class BlockPool:
                     block.block_hash = block_hash
                     index[block_hash] = block
                     added.append(i)
+                    if parents is not None:
+                        parents.append(index.get(block_hashes[i - 1]) if i > 0 else None)
         except TypeError:
             for i in added:
                 del index[blocks[i].block_hash]
@@ -440,8 +446,8 @@ class BlockPool:
             publisher.stored(block_hashes, added, token_ids, block_size, lora_name, group_idx)
         on_cached = self._on_cached
         if on_cached is not None and added:
-            for i in added:
-                on_cached(blocks[i], index.get(block_hashes[i - 1]) if i > 0 else None)
+            for i, parent in zip(added, parents or ()):  # parents is a list whenever on_cached is set
+                on_cached(blocks[i], parent)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (e.g. after a weight update).

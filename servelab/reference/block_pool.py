@@ -190,8 +190,18 @@ class BlockPool:
             self.block_of_hash[block_hash] = block
             self.frequency[block] = 1
             parent = self.block_of_hash.get(block_hashes[i - 1]) if i > 0 else None
-            if parent is not None:
+            if parent is not None and not self._descends_from(parent, block):
                 self.parent[block] = parent
+
+    def _descends_from(self, node: int | None, block: int) -> bool:
+        """Whether ``block`` is ``node`` or one of its ancestors: linking ``block`` under ``node``
+        would then close a cycle (possible when the index maps a parent's hash to a block further
+        down the same chain), so the link is not made (as in the fast pool's policy)."""
+        while node is not None:
+            if node == block:
+                return True
+            node = self.parent.get(node)
+        return False
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks - 1:

@@ -335,3 +335,27 @@ TestKVCacheManagerStateful.settings = STATEFUL
 
 def test_every_registered_builtin_policy_is_modelled_by_the_reference():
     assert {"lru", "lfu", "fewest_descendants"} <= set(available_eviction_policies())
+
+
+def _both_pools(num_blocks: int):
+    return (BlockPool(num_blocks, True, eviction_policy="fewest_descendants"),
+            RefBlockPool(num_blocks, True, eviction_policy="fewest_descendants"))
+
+
+@pytest.mark.parametrize("hashes, lo", [
+    ([0, 1, 0, 2], 1),  # position 2 reuses position 0's hash: block 2 is indexed before block 3 holds it
+    ([5, 5, 6], 1),     # a block whose previous position has its own (unindexed) hash: no self-link
+])
+def test_parents_are_recorded_as_each_block_is_indexed(hashes, lo):
+    """Found by the stateful test (small hash space): a parent is the block the index held for
+    the previous position right after this block was indexed, never a block indexed later in
+    the same call, and never the block itself (the reference's descendant walk then looped)."""
+    fast, ref = _both_pools(8)
+    ids = [b.block_id for b in fast.get_new_blocks(len(hashes))]
+    assert ref.get_new_blocks(len(hashes)) == ids
+    block_hashes = [hash_block_tokens(none_hash(), [h]) for h in hashes]
+    fast.cache_full_blocks([fast.blocks[i] for i in ids], block_hashes, lo, len(hashes))
+    ref.cache_full_blocks(ids, block_hashes, lo, len(hashes))
+    fast.free_blocks([fast.blocks[i] for i in ids])
+    ref.free_blocks(ids)
+    assert fast.free_block_ids() == ref.free_block_ids()
