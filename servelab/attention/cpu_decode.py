@@ -72,9 +72,15 @@ def supports(dtype: torch.dtype, head_size: int, group: int, device: torch.devic
 def available() -> bool:
     """The kernel is enabled (``SERVELAB_CPU_KERNELS`` is not ``0``), built and verified;
     builds on the first call in a process (one warning if that fails)."""
+    return library() is not None
+
+
+def library():
+    """The loaded CPU kernel library (a ``ctypes.CDLL``: decode attention, RMSNorm, RoPE) when
+    :func:`available`, else ``None``."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    return _library() is not None
+        return None
+    return _library()
 
 
 def _library():

@@ -61,10 +61,10 @@ def unavailable_reason() -> str | None:
     (checked once per process; builds the kernel library if needed)."""
     global _reason, _checked, _lib
     if not _checked:
-        if not cpu_decode.available():
+        lib = cpu_decode.library()
+        if lib is None:
             _reason = "the C CPU kernels are unavailable (no compiler, a failed build, or SERVELAB_CPU_KERNELS=0)"
         else:
-            lib = cpu_decode._library()
             _reason = _probe(lib)
             _lib = lib if _reason is None else None
         _checked = True
@@ -94,7 +94,23 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``torch.rms_norm(x, weight.shape, weight, eps)`` for float32 ``x`` ``[..., n]``, weight ``[n]``
-    (same shape and dtype out). Unchecked beyond :func:`usable`, which the caller must have asked."""
+    (same shape and dtype out), in one C call. Raises ``TypeError`` / ``ValueError`` naming the
+    argument when :func:`usable` would refuse it."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps={eps!r} must be a non-negative number")
+    if not usable(x, weight):
+        raise ValueError(
+            f"x (shape {tuple(x.shape)}, {x.dtype}, {x.device}, contiguous={x.is_contiguous()}) and weight "
+            f"(shape {tuple(weight.shape)}, {weight.dtype}) must be contiguous float32 CPU tensors with weight "
+            f"[n] matching x [..., n], n >= {MIN_HIDDEN}, outside autograd, and the kernel available "
+            f"({unavailable_reason() or 'it is'}); use torch.rms_norm otherwise")
+    return _rms_norm(x, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` unchecked (the module's hot path, after :func:`usable`)."""
     out = torch.empty_like(x)
     n = x.shape[-1]
     _lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,

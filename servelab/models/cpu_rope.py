@@ -29,7 +29,7 @@ _checked = False
 def _library():
     global _lib, _checked
     if not _checked:
-        _lib = cpu_decode._library() if cpu_decode.available() else None
+        _lib = cpu_decode.library()
         _checked = True
     return _lib
 
@@ -54,7 +54,22 @@ def usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """:func:`servelab.models.llama.rotate` of ``x`` ``[T, heads, D]``: a new contiguous
-    ``[T, heads, D]`` float32. Unchecked beyond :func:`usable`, which the caller must have asked."""
+    ``[T, heads, D]`` float32, in one C call. Raises ``TypeError`` / ``ValueError`` naming the
+    arguments when :func:`usable` would refuse them."""
+    for name, value in (("x", x), ("cos", cos), ("signed_sin", signed_sin)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not usable(x, cos, signed_sin):
+        raise ValueError(
+            f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) with cos / signed_sin (shapes "
+            f"{tuple(cos.shape)} / {tuple(signed_sin.shape)}) must be float32 CPU tensors: x [T, heads, D] "
+            "with heads and dimensions contiguous, D even, the tables [T, 1, D] views of contiguous [T, D], "
+            "outside autograd, and the kernel library built; use llama.rotate otherwise")
+    return _rope(x, cos, signed_sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rope` unchecked (``rotate``'s hot path, after :func:`usable`)."""
     tokens, heads, head_size = x.shape
     out = torch.empty(tokens, heads, head_size, dtype=torch.float32)
     _lib.servelab_rope(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), tokens,

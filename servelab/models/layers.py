@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if cpu_norm.usable(x, self.weight):
             # One C call, the same bits as torch.rms_norm (servelab.models.cpu_norm).
-            return cpu_norm.rms_norm(x, self.weight, self.eps)
+            return cpu_norm._rms_norm(x, self.weight, self.eps)
         if x.device.type == "cpu" and dtype in _FUSED_NORM_DTYPES and self.weight.dtype == dtype:
             # One call instead of six: on a CPU torch's rms_norm evaluates the
             # same expression (mean of squares, + eps, rsqrt, two multiplies)

@@ -151,7 +151,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     call with the same arithmetic (:mod:`servelab.models.cpu_rope`).
     """
     if cpu_rope.usable(x, cos, signed_sin):
-        return cpu_rope.rope(x, cos, signed_sin)
+        return cpu_rope._rope(x, cos, signed_sin)
     rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
     return rotated.add_(x * cos)  # == x * cos + rotated exactly (IEEE addition commutes)
 

@@ -45,8 +45,8 @@ def test_c_norm_equals_torch_rms_norm_bit_for_bit(kernel, rows, hidden, scale, e
 def test_the_module_takes_the_c_path_only_where_it_may(kernel, monkeypatch):
     norm = RMSNorm(64, 1e-6)
     calls = []
-    real = cpu_norm.rms_norm
-    monkeypatch.setattr(cpu_norm, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu_norm._rms_norm
+    monkeypatch.setattr(cpu_norm, "_rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(3, 64)
     with torch.no_grad():
         norm(x)
@@ -77,11 +77,22 @@ def test_a_kernel_that_sums_in_another_order_is_never_used(monkeypatch):
     """The once-per-process probe compares with torch.rms_norm; one differing bit keeps torch."""
     for name, value in (("_checked", False), ("_lib", None), ("_reason", None)):
         monkeypatch.setattr(cpu_norm, name, value)
-    monkeypatch.setattr(cpu_norm.cpu_decode, "available", lambda: True)
-    monkeypatch.setattr(cpu_norm.cpu_decode, "_library", OneUlpOff)
+    monkeypatch.setattr(cpu_norm.cpu_decode, "library", lambda: OneUlpOff)
     reason = cpu_norm.unavailable_reason()
     assert reason is not None and "differs from torch.rms_norm on [1, 8]" in reason, reason
     x = torch.randn(2, 64)
     assert not cpu_norm.available() and not cpu_norm.usable(x, torch.ones(64))
     with torch.no_grad():
         assert torch.equal(RMSNorm(64, 1e-6)(x), torch.rms_norm(x, (64,), torch.ones(64), 1e-6))
+
+
+def test_bad_input_is_refused_naming_the_argument(kernel):
+    x, weight = torch.randn(2, 64), torch.randn(64)
+    with pytest.raises(TypeError, match="x and weight must be tensors"):
+        cpu_norm.rms_norm([1.0] * 64, weight, 1e-6)
+    with pytest.raises(ValueError, match="eps=-1.0"):
+        cpu_norm.rms_norm(x, weight, -1.0)
+    for bad_x, bad_weight in ((x.double(), weight), (x, torch.randn(32)), (torch.randn(64, 2).t(), torch.randn(2)),
+                              (torch.randn(2, 4), torch.randn(4))):
+        with pytest.raises(ValueError, match=r"x \(shape"):
+            cpu_norm.rms_norm(bad_x, bad_weight, 1e-6)

@@ -57,8 +57,8 @@ def test_c_rope_equals_the_torch_forms_bit_for_bit(kernel, tokens, heads, half, 
 
 def test_rotate_takes_the_c_path_only_where_it_may(kernel, monkeypatch):
     calls = []
-    real = cpu_rope.rope
-    monkeypatch.setattr(cpu_rope, "rope", lambda *a: calls.append(1) or real(*a))
+    real = cpu_rope._rope
+    monkeypatch.setattr(cpu_rope, "_rope", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(0)
     cos, sin, cos3, signed3 = tables(5, 16, gen)
     x = torch.randn(5, 3, 16, generator=gen)
@@ -70,3 +70,14 @@ def test_rotate_takes_the_c_path_only_where_it_may(kernel, monkeypatch):
     y = rotate(x.requires_grad_(), cos3, signed3)                    # autograd records: torch
     y.sum().backward()
     assert len(calls) == 1 and x.grad is not None
+
+
+def test_bad_input_is_refused_naming_the_arguments(kernel):
+    gen = torch.Generator().manual_seed(1)
+    _, _, cos3, signed3 = tables(4, 16, gen)
+    x = torch.randn(4, 2, 16, generator=gen)
+    with pytest.raises(TypeError, match="signed_sin must be a tensor"):
+        cpu_rope.rope(x, cos3, None)
+    for bad in (x.double(), x[:, :, :15], torch.randn(4, 32)):
+        with pytest.raises(ValueError, match=r"x \(shape"):
+            cpu_rope.rope(bad, cos3, signed3)
