@@ -76,8 +76,8 @@ def available() -> bool:
 
 
 def library():
-    """The loaded CPU kernel library (a ``ctypes.CDLL``: decode attention, RMSNorm, RoPE) when
-    :func:`available`, else ``None``."""
+    """The loaded CPU kernel library (a ``ctypes.CDLL``: decode attention, RMSNorm, RoPE, the
+    few-row GEMM) when :func:`available`, else ``None``."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     return _library()
@@ -90,9 +90,9 @@ def _library():
     except KernelBuildError as error:
         if not _warned:
             _warned = True
-            warnings.warn(f"servelab: the C CPU kernels (decode attention, RMSNorm) are unavailable ({error}); "
-                          f"using the torch formulations. Set {ENV_SWITCH}=0 to skip the build.", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(f"servelab: the C CPU kernels (decode attention, RMSNorm, RoPE, few-row GEMM) are "
+                          f"unavailable ({error}); using the torch formulations. Set {ENV_SWITCH}=0 to skip the "
+                          "build.", RuntimeWarning, stacklevel=4)
         return None
 
 

@@ -1,7 +1,8 @@
 """Build, cache, verify and load the C CPU kernels, one library: decode attention
 (``csrc/decode_attention.c``, used by :mod:`servelab.attention.cpu_decode`), RMSNorm
-(``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`) and RoPE (``csrc/rope.c``,
-:mod:`servelab.models.cpu_rope`).
+(``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`), RoPE (``csrc/rope.c``,
+:mod:`servelab.models.cpu_rope`) and the few-row GEMM (``csrc/panel_gemm.c``,
+:mod:`servelab.models.cpu_gemm`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -51,8 +52,8 @@ from pathlib import Path
 from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
-                                  for name in ("decode_attention.c", "rms_norm.c", "rope.c"))
-ABI_VERSION = 7
+                                  for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c"))
+ABI_VERSION = 8
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -144,7 +145,7 @@ def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> 
 
 
 # Runs every entry point on small inputs (GQA groups 1-8, both value loops, the norm, the rotation,
-# 2 threads) and checks the embedded key. ctypes only: quick to start, and a SIGILL
+# the GEMM's row blocks and partial panel, 2 threads) and checks the embedded key. ctypes only: quick to start, and a SIGILL
 # kills only this child.
 _VERIFY_SCRIPT = r"""
 import ctypes, sys
@@ -189,6 +190,15 @@ c, s = (ctypes.c_float * (3 * 16))(*[1.0] * 48), (ctypes.c_float * (3 * 16))(*[0
 y = (ctypes.c_float * (3 * 2 * 16))()
 lib.servelab_rope(x, 2 * 16, y, c, s, 3, 2, 16, 2)
 assert y[0] == 0.0 * 1.0 + 8.0 * 0.5 and y[3 * 2 * 16 - 1] == 15.0 + 7.0 * 0.5, (y[0], y[95])
+lib.servelab_panel_gemm.argtypes = [P, I, P, P, P, I, I, I, I]
+for rows, k, n in ((1, 3, 5), (5, 40, 130), (3, 64, 300)):  # row blocks 4 + 1, a partial panel, 2 threads
+    panels = -(-n // 64)
+    x = (ctypes.c_float * (rows * k))(*[1.0] * (rows * k))
+    w = (ctypes.c_float * (panels * k * 64))(*[0.5] * (panels * k * 64))
+    b = (ctypes.c_float * n)(*[2.0] * n)
+    y = (ctypes.c_float * (rows * n))()
+    lib.servelab_panel_gemm(x, k, w, b, y, rows, k, n, 2)
+    assert y[0] == 0.5 * k + 2.0 and y[rows * n - 1] == 0.5 * k + 2.0, (y[0], y[rows * n - 1])
 print("ok")
 """
 
@@ -225,6 +235,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_rms_norm.restype = None
     lib.servelab_rope.argtypes = [p, i, p, p, p, i, i, i, i]
     lib.servelab_rope.restype = None
+    lib.servelab_panel_gemm.argtypes = [p, i, p, p, p, i, i, i, i]
+    lib.servelab_panel_gemm.restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelab.models import cpu_gemm
+
 #: dtypes packed. bfloat16/float16 CPU GEMMs already go through oneDNN in
 #: torch, and their rounding is held to transformers' bit for bit elsewhere.
 PACKED_DTYPES = (torch.float32,)
@@ -85,20 +87,23 @@ def packing_unavailable_reason(dtype: torch.dtype, device: torch.device | str) -
 
 
 class PackedWeight:
-    """The packed copy of one weight, remade whenever that weight changes.
+    """The packed copies of one weight (oneDNN's blocked layout, and the few-row kernel's panels),
+    each made on first use and remade whenever that weight changes.
 
     Not a buffer or parameter: derived state, never saved, invisible to
     ``state_dict`` and ``.to()``.
     """
 
-    __slots__ = ("packed", "key")
+    __slots__ = ("packed", "key", "panels", "panels_key")
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self.key: tuple | None = None
+        self.panels: torch.Tensor | None = None
+        self.panels_key: tuple | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed ``weight`` ``[out, in]`` (an opaque oneDNN tensor)."""
+        """The oneDNN-packed ``weight`` ``[out, in]`` (an opaque oneDNN tensor)."""
         key = (weight.data_ptr(), _version(weight), weight.shape)
         if key != self.key:
             self.packed = None  # drop the stale copy before making the new one (peak memory)
@@ -106,8 +111,17 @@ class PackedWeight:
             self.key = key
         return self.packed  # type: ignore[return-value]
 
+    def get_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[out, in]`` in :func:`servelab.models.cpu_gemm.pack`'s panels ``[ceil(out / 64), in, 64]``."""
+        key = (weight.data_ptr(), _version(weight), weight.shape)
+        if key != self.panels_key:
+            self.panels = None
+            self.panels = cpu_gemm.pack(weight)
+            self.panels_key = key
+        return self.panels  # type: ignore[return-value]
+
     def clear(self) -> None:
-        self.packed, self.key = None, None
+        self.packed, self.key, self.panels, self.panels_key = None, None, None, None
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -121,20 +135,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            cache: PackedWeight | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x ``[..., in]``, weight ``[out, in]``, bias ``[out]`` -> ``[..., out]``.
 
-    Runs on ``cache``'s packed weight when ``cache`` is given, ``x`` and
-    ``weight`` share a packed dtype on a CPU, autograd need not record the
-    op, and the weight is large enough to gain (:data:`MIN_PACKED_ELEMENTS`);
-    otherwise (and as the reference) ``F.linear``.
+    With ``cache`` given, ``x``, ``weight`` (and ``bias``) of a packed dtype on a CPU, and
+    autograd not recording the op: a 2-D ``x`` of at most :data:`servelab.models.cpu_gemm.MAX_ROWS`
+    rows runs the few-row kernel on the weight's panels; otherwise a weight large enough to gain
+    (:data:`MIN_PACKED_ELEMENTS`) runs oneDNN on its packed copy. Everything else, and the
+    reference, is ``F.linear``.
     """
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
             or x.device.type != "cpu" or weight.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or _ops_unavailable_reason() is not None):
+            or (bias is not None and (bias.dtype is not x.dtype or bias.device.type != "cpu"))):
         return F.linear(x, weight, bias)
-    if bias is not None and bias.dtype is not x.dtype:
-        return F.linear(x, weight, bias)
-    if weight.numel() < MIN_PACKED_ELEMENTS:
-        return F.linear(x, weight, bias)  # too small to win back the packed call's fixed cost
+    if x.dim() == 2 and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.usable(x) and (
+            bias is None or bias.is_contiguous()):
+        return cpu_gemm._gemm(x, cache.get_panels(weight), bias, weight.shape[0])
+    if _ops_unavailable_reason() is not None or weight.numel() < MIN_PACKED_ELEMENTS:
+        return F.linear(x, weight, bias)  # a small weight never wins back the packed call's fixed cost
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
 
 

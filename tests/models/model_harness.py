@@ -115,3 +115,14 @@ def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Random token ids (BOS first), avoiding the special ids 0..2 elsewhere."""
     gen = torch.Generator().manual_seed(seed)
     return [[1] + torch.randint(3, vocab_size, (n - 1,), generator=gen).tolist() for n in lengths]
+
+
+def error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Elementwise float32 bound of a K-term dot product (+ bias): gamma_(K+1) * (|x| @ |w|^T + |b|)."""
+    k = x.shape[-1] + 1
+    unit = 2.0 ** -24
+    gamma = k * unit / (1 - k * unit)
+    magnitude = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    return gamma * magnitude + 1e-30

@@ -6,9 +6,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servelab.models import build_tiny_model, load_model
+from servelab.models import build_tiny_model, cpu_gemm, load_model
 from servelab.models import linear as linear_module
 from servelab.models.linear import Linear, linear, packing_unavailable_reason, set_weight_packing
+
+from model_harness import error_bound
 
 PACKS = packing_unavailable_reason(torch.float32, "cpu") is None
 needs_packing = pytest.mark.skipif(not PACKS, reason=str(packing_unavailable_reason(torch.float32, "cpu")))
@@ -16,20 +18,11 @@ needs_packing = pytest.mark.skipif(not PACKS, reason=str(packing_unavailable_rea
 
 @pytest.fixture
 def pack_every_size(monkeypatch):
-    """Pack weights of any size (the size threshold is a speed choice; the numerics under
-    test are the packed kernel's). Constant for every hypothesis example."""
+    """Pack weights of any size for oneDNN, at every row count (the size threshold and the
+    few-row kernel's rows are speed choices; the numerics under test are oneDNN's packed
+    kernel's, the few-row kernel's are in test_cpu_gemm.py). Constant for every hypothesis example."""
     monkeypatch.setattr(linear_module, "MIN_PACKED_ELEMENTS", 0)
-
-
-def error_bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Elementwise float32 bound of a K-term dot product (+ bias): gamma_(K+1) * (|x| @ |w|^T + |b|)."""
-    k = x.shape[-1] + 1
-    unit = 2.0 ** -24
-    gamma = k * unit / (1 - k * unit)
-    magnitude = x.double().abs() @ weight.double().abs().T
-    if bias is not None:
-        magnitude = magnitude + bias.double().abs()
-    return gamma * magnitude + 1e-30
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", -1)
 
 
 @needs_packing
@@ -113,13 +106,20 @@ def test_linear_function_without_a_cache_is_f_linear():
 
 
 @needs_packing
-def test_small_weights_stay_on_f_linear():
+def test_rows_and_weight_size_pick_the_gemm():
+    rows_max = cpu_gemm.MAX_ROWS
     small = Linear(64, 64, bias=False).requires_grad_(False)  # 4,096 elements
-    x = torch.randn(8, 64)
-    assert torch.equal(small(x), F.linear(x, small.weight)) and small._packed_weight().key is None
-    big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: packed, one row included
-    big(torch.randn(1, 512))
-    assert big._packed_weight().key is not None
+    many = torch.randn(rows_max + 1, 64)
+    assert torch.equal(small(many), F.linear(many, small.weight))  # many rows, small weight: F.linear
+    assert small._packed_weight().key is None and small._packed_weight().panels_key is None
+    big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: oneDNN from MAX_ROWS + 1 rows
+    big(torch.randn(rows_max + 1, 512))
+    assert big._packed_weight().key is not None and big._packed_weight().panels_key is None
+    if cpu_gemm.usable(many):  # few rows, any size: the few-row kernel
+        small(torch.randn(rows_max, 64))
+        big(torch.randn(1, 512))
+        assert small._packed_weight().panels_key is not None and big._packed_weight().panels_key is not None
+        assert small._packed_weight().key is None
 
 
 @needs_packing

@@ -1,0 +1,120 @@
+"""A float32 GEMM for a few rows on a CPU (``csrc/panel_gemm.c``); ``F.linear`` is the reference.
+
+Why: a decode step multiplies a few rows by every weight of the model, so its
+GEMMs stream the weights from memory. On a 2-core AMD EPYC (Zen 4), one
+thread, weights cold as in a step, the GEMMs of a whole forward took:
+
+=====================  ====  ============  ==============  ==========
+weights                rows  ``F.linear``  oneDNN packed   panels
+=====================  ====  ============  ==============  ==========
+tiny (hidden 256)      1     0.61-1.26 ms  0.69-0.95 ms    0.31-0.34 ms
+tiny                   4     1.18-2.07 ms  0.62-1.07 ms    0.34 ms
+tiny                   8     1.51-2.66 ms  0.86-1.40 ms    0.61-0.67 ms
+tiny                   16    2.49-3.05 ms  1.50-1.91 ms    1.19-1.65 ms
+SmolLM2-135M layers    1     43.0 ms       35.9 ms         18.3 ms
+SmolLM2-135M layers    4     61.0 ms       28.3 ms         20.4 ms
+SmolLM2-135M layers    8     76.5 ms       45.2 ms         34.4 ms
+SmolLM2-135M layers    16    103.5 ms      49.2 ms         50.7 ms
+=====================  ====  ============  ==============  ==========
+
+(ranges: repeated runs on a noisy VM.) From 16 rows on the GEMM is bound by
+arithmetic and oneDNN's blocking wins (25-35% at 128-512 rows), so
+:mod:`servelab.models.linear` sends at most :data:`MAX_ROWS` rows here.
+
+Layout: :func:`pack` arranges a weight ``[N, K]`` once into panels of 64
+output columns ``[ceil(N / 64), K, 64]`` (zero past ``N``), each panel one
+sequential stream. Numerics: every output sums its ``K`` products in
+increasing ``k`` in one float32 lane, then adds the bias, so a row's result
+is the same bits in any batch and at any thread count (batch-invariant), and
+within the float32 bound of a ``K``-term dot product of the float64 result
+(``tests/models/test_cpu_gemm.py``). It differs from ``F.linear`` in the last
+bits, as oneDNN's packed GEMM does.
+
+Who calls what: :func:`servelab.models.linear.linear` asks :func:`usable`,
+packs once per weight (:class:`~servelab.models.linear.PackedWeight`) and
+calls :func:`_gemm`; ``SERVELAB_CPU_KERNELS=0`` (read at the first call in a
+process) keeps ``F.linear`` / oneDNN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from servelab.attention import cpu_decode
+
+#: output columns per panel (csrc/panel_gemm.c's PANEL).
+PANEL = 64
+#: most rows sent to the kernel by :func:`servelab.models.linear.linear` (see the table above).
+MAX_ROWS = 16
+
+_lib: Any = None  # the ctypes library once checked
+_checked = False
+
+
+def _library():
+    global _lib, _checked
+    if not _checked:
+        _lib = cpu_decode.library()
+        _checked = True
+    return _lib
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` float32 -> panels ``[ceil(N / 64), K, 64]`` (a contiguous copy, zero past ``N``)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype is not torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"weight (shape {tuple(weight.shape)}, {weight.dtype}, {weight.device}) must be a "
+                         "2-D float32 CPU tensor [out_features, in_features]")
+    out_features, in_features = weight.shape
+    n_panels = -(-out_features // PANEL)
+    padded = weight.detach().new_zeros(n_panels * PANEL, in_features)
+    padded[:out_features] = weight.detach()
+    return padded.view(n_panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether :func:`gemm` handles the input ``x``: a float32 CPU ``[rows, K]`` with ``K``
+    contiguous, autograd not recording, and the kernel library built."""
+    return (x.dtype is torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+            and (x.stride(1) == 1 or x.shape[1] <= 1)  # a dimension of size 0 or 1 has no meaningful stride
+            and not (torch.is_grad_enabled() and x.requires_grad) and _library() is not None)
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with ``panels = pack(weight)``: x ``[rows, K]`` ->
+    a new contiguous ``[rows, out_features]`` float32. Raises ``TypeError`` / ``ValueError``
+    naming the arguments when they do not fit together or :func:`usable` refuses ``x``."""
+    for name, value in (("x", x), ("panels", panels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+    if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features < 1:
+        raise ValueError(f"out_features must be a positive int, got {out_features!r}")
+    if not usable(x):
+        raise ValueError(f"x (shape {tuple(x.shape)}, strides {x.stride()}, {x.dtype}) must be a float32 CPU "
+                         "[rows, K] with K contiguous, outside autograd, and the kernel library built")
+    expected = (-(-out_features // PANEL), x.shape[1], PANEL)
+    if (tuple(panels.shape) != expected or panels.dtype is not torch.float32 or panels.device.type != "cpu"
+            or not panels.is_contiguous()):
+        raise ValueError(f"panels (shape {tuple(panels.shape)}, {panels.dtype}) must be pack(weight) of a "
+                         f"[{out_features}, {x.shape[1]}] float32 weight: contiguous {expected}")
+    if bias is not None and (tuple(bias.shape) != (out_features,) or bias.dtype is not torch.float32
+                             or bias.device.type != "cpu" or not bias.is_contiguous()):
+        raise ValueError(f"bias (shape {tuple(bias.shape)}, {bias.dtype}) must be a contiguous float32 CPU "
+                         f"[{out_features}] or None")
+    return _gemm(x, panels, bias, out_features)
+
+
+def _gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """:func:`gemm` unchecked (:func:`servelab.models.linear.linear`'s hot path, after :func:`usable`)."""
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows:
+        _lib.servelab_panel_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows, in_features,
+                                 out_features, torch.get_num_threads())
+    return out
