@@ -123,3 +123,17 @@ def test_a_pipeline_generates_the_same_tokens_with_and_without_the_kernel(kernel
         used = pipe.model.model.layers[0].mlp.down_proj._packed_weight().panels_key is not None
         assert used is (rows > 0)
     assert outputs[kernel_rows] == outputs[-1]
+
+
+def test_without_the_library_linear_keeps_f_linear_and_gemm_refuses(monkeypatch):
+    """SERVELAB_CPU_KERNELS=0, no compiler, or a failed build: the same layer runs F.linear
+    (a small weight) bit for bit, and the public gemm names the reason it refuses."""
+    monkeypatch.setattr(cpu_gemm, "_lib", None)
+    monkeypatch.setattr(cpu_gemm, "_checked", True)
+    layer = Linear(40, 70).requires_grad_(False)
+    x = torch.randn(3, 40)
+    assert not cpu_gemm.usable(x)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._packed_weight().panels_key is None
+    with pytest.raises(ValueError, match="kernel library built"):
+        cpu_gemm.gemm(x, cpu_gemm.pack(layer.weight), None, 70)
