@@ -20,17 +20,22 @@ so packing is on by default for float32 models on a CPU. A packed call has
 a fixed cost of its own (~15-25 us there), so small weights stay on
 ``F.linear`` (:data:`MIN_PACKED_ELEMENTS`).
 
+Few rows (at most :data:`servelab.models.cpu_gemm.MAX_ROWS`: decode steps,
+LM heads) go to a second packed form instead, the C kernel's panels
+(:mod:`servelab.models.cpu_gemm`), at any weight size: there the weights
+stream cold and oneDNN's fixed cost and read rate lose to it by up to 2x.
+
 Numerics: a different GEMM sums in a different order, so results differ
 from ``F.linear`` in the last bits (both stay within the float32 error
 bound of a ``K``-term dot product; ``tests/models/test_linear.py`` holds
 both to it against float64). Greedy tokens are checked against
 transformers with packing on.
 
-Memory: the packed copy sits beside the dense weight (which stays the
+Memory: the packed copies sit beside the dense weight (which stays the
 parameter: state dicts, ``.to()``, weight loading and tied embeddings keep
-working), so a packed layer holds its weight twice. The copy is made on the
-first CPU forward and remade when the weight changes (its storage pointer
-or torch's in-place version counter moved). Turn packing off per model
+working), so a layer used with both few and many rows holds its weight three
+times. Each copy is made on its first use and remade when the weight changes
+(its storage pointer or torch's in-place version counter moved). Turn packing off per model
 with :func:`set_weight_packing` (``load_model(..., pack_weights=False)``).
 
 Refusals: packing applies only where :func:`packing_unavailable_reason`
