@@ -145,8 +145,8 @@ def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> 
 
 
 # Runs every entry point on small inputs (GQA groups 1-8, both value loops, the norm, the rotation,
-# the GEMM's row blocks and partial panel, 2 threads) and checks the embedded key. ctypes only: quick to start, and a SIGILL
-# kills only this child.
+# the GEMM's row blocks and partial panel, 2 threads) and checks the embedded key. ctypes only:
+# quick to start, and a SIGILL kills only this child.
 _VERIFY_SCRIPT = r"""
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])

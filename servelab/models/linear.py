@@ -35,8 +35,9 @@ Memory: the packed copies sit beside the dense weight (which stays the
 parameter: state dicts, ``.to()``, weight loading and tied embeddings keep
 working), so a layer used with both few and many rows holds its weight three
 times. Each copy is made on its first use and remade when the weight changes
-(its storage pointer or torch's in-place version counter moved). Turn packing off per model
-with :func:`set_weight_packing` (``load_model(..., pack_weights=False)``).
+(its storage pointer or torch's in-place version counter moved). Turn packing
+off per model with :func:`set_weight_packing` (``load_model(...,
+pack_weights=False)``).
 
 Refusals: packing applies only where :func:`packing_unavailable_reason`
 returns ``None`` (a CPU tensor of a packed dtype, a torch built with
@@ -148,7 +149,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
             or x.device.type != "cpu" or weight.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
             or (bias is not None and (bias.dtype is not x.dtype or bias.device.type != "cpu"))):
         return F.linear(x, weight, bias)
     if x.dim() == 2 and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.usable(x) and (

@@ -137,3 +137,10 @@ def test_without_the_library_linear_keeps_f_linear_and_gemm_refuses(monkeypatch)
     assert layer._packed_weight().panels_key is None
     with pytest.raises(ValueError, match="kernel library built"):
         cpu_gemm.gemm(x, cpu_gemm.pack(layer.weight), None, 70)
+
+
+def test_a_bias_that_autograd_records_keeps_f_linear(kernel):
+    layer = Linear(8, 4)
+    layer.weight.requires_grad_(False)
+    layer(torch.randn(2, 8)).sum().backward()  # only the bias needs a gradient
+    assert layer.bias.grad is not None and layer._packed_weight().panels_key is None
