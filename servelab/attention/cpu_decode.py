@@ -49,6 +49,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from typing import Any
+
 import torch
 
 from servelab._internal.attention_checks import _positive_finite, _require_ndim, _require_tensor
@@ -81,6 +83,22 @@ def library():
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     return _library()
+
+
+class LibraryOnce:
+    """:func:`library` looked up at the first call, then kept in :attr:`lib` (``None``: unavailable):
+    what a hot path calls through (``SERVELAB_CPU_KERNELS`` is read at that first call)."""
+
+    __slots__ = ("lib", "checked")
+
+    def __init__(self) -> None:
+        self.lib: Any = None
+        self.checked = False
+
+    def __call__(self) -> Any:
+        if not self.checked:
+            self.lib, self.checked = library(), True
+        return self.lib
 
 
 def _library():

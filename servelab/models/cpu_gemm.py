@@ -33,12 +33,11 @@ bits, as oneDNN's packed GEMM does.
 Who calls what: :func:`servelab.models.linear.linear` asks :func:`usable`,
 packs once per weight (:class:`~servelab.models.linear.PackedWeight`) and
 calls :func:`_gemm`; ``SERVELAB_CPU_KERNELS=0`` (read at the first call in a
-process) keeps ``F.linear`` / oneDNN.
+process, :class:`servelab.attention.cpu_decode.LibraryOnce`) keeps ``F.linear``
+/ oneDNN.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -49,16 +48,7 @@ PANEL = 64
 #: most rows sent to the kernel by :func:`servelab.models.linear.linear` (see the table above).
 MAX_ROWS = 16
 
-_lib: Any = None  # the ctypes library once checked
-_checked = False
-
-
-def _library():
-    global _lib, _checked
-    if not _checked:
-        _lib = cpu_decode.library()
-        _checked = True
-    return _lib
+_library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -114,7 +104,7 @@ def _gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows:
-        _lib.servelab_panel_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(), rows, in_features,
-                                 out_features, torch.get_num_threads())
+        _library.lib.servelab_panel_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+                                         in_features, out_features, torch.get_num_threads())
     return out

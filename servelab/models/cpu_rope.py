@@ -16,22 +16,11 @@ process) keeps torch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from servelab.attention import cpu_decode
 
-_lib: Any = None  # the ctypes library once checked
-_checked = False
-
-
-def _library():
-    global _lib, _checked
-    if not _checked:
-        _lib = cpu_decode.library()
-        _checked = True
-    return _lib
+_library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
 
 
 def usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
@@ -72,6 +61,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     """:func:`rope` unchecked (``rotate``'s hot path, after :func:`usable`)."""
     tokens, heads, head_size = x.shape
     out = torch.empty(tokens, heads, head_size, dtype=torch.float32)
-    _lib.servelab_rope(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), tokens,
-                       heads, head_size, torch.get_num_threads())
+    _library.lib.servelab_rope(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+                               tokens, heads, head_size, torch.get_num_threads())
     return out

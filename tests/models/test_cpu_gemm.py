@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_kernel_build
+from servelab.attention import cpu_decode, cpu_kernel_build
 from servelab.models import build_tiny_model, cpu_gemm
 from servelab.models.linear import Linear
 
@@ -128,8 +128,9 @@ def test_a_pipeline_generates_the_same_tokens_with_and_without_the_kernel(kernel
 def test_without_the_library_linear_keeps_f_linear_and_gemm_refuses(monkeypatch):
     """SERVELAB_CPU_KERNELS=0, no compiler, or a failed build: the same layer runs F.linear
     (a small weight) bit for bit, and the public gemm names the reason it refuses."""
-    monkeypatch.setattr(cpu_gemm, "_lib", None)
-    monkeypatch.setattr(cpu_gemm, "_checked", True)
+    unavailable = cpu_decode.LibraryOnce()
+    unavailable.checked = True  # looked up, and None
+    monkeypatch.setattr(cpu_gemm, "_library", unavailable)
     layer = Linear(40, 70).requires_grad_(False)
     x = torch.randn(3, 40)
     assert not cpu_gemm.usable(x)
