@@ -30,7 +30,11 @@ OpenMP: on a machine with more runnable threads than cores, run with
 which share the process): with the default policy an idle OpenMP worker
 spins and takes a core from the thread doing the serial work, which made
 2-thread runs 10-15x slower than 1-thread runs for every engine on a 2-core
-machine shared with other jobs. The policy is in each row's ``params``.
+machine shared with other jobs. On an otherwise idle machine leave the default:
+PASSIVE puts idle workers to sleep, and waking one costs ~50 us per parallel
+region (one few-row GEMM: 57 us on 2 threads against 11 us with the default
+policy), which servelab's many small regions per step pay more often than
+transformers does. The policy is in each row's ``params``.
 
 Threads: ``--threads 1,2`` runs every engine at each count
 (``torch.set_num_threads``, which the C decode kernel follows too) inside each
