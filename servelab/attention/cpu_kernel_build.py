@@ -191,7 +191,7 @@ y = (ctypes.c_float * (3 * 2 * 16))()
 lib.servelab_rope(x, 2 * 16, y, c, s, 3, 2, 16, 2)
 assert y[0] == 0.0 * 1.0 + 8.0 * 0.5 and y[3 * 2 * 16 - 1] == 15.0 + 7.0 * 0.5, (y[0], y[95])
 lib.servelab_panel_gemm.argtypes = [P, I, P, P, P, I, I, I, I]
-for rows, k, n in ((1, 3, 5), (5, 40, 130), (3, 64, 300)):  # row blocks 4 + 1, a partial panel, 2 threads
+for rows, k, n in ((1, 3, 5), (7, 40, 130), (3, 64, 300)):  # row blocks 6 + 1, a partial panel, 2 threads
     panels = -(-n // 64)
     x = (ctypes.c_float * (rows * k))(*[1.0] * (rows * k))
     w = (ctypes.c_float * (panels * k * 64))(*[0.5] * (panels * k * 64))

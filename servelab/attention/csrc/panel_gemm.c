@@ -10,7 +10,8 @@
  * and pay a fixed cost per call (oneDNN: ~15-25 us) that a small model's
  * weights never win back. Here the weight is pre-arranged in panels of 64
  * output columns, each panel one sequential stream [K, 64], and every
- * element loaded is used by up to 4 rows from registers.
+ * element loaded is used by up to 6 rows from registers (6 rows x 4 vectors
+ * = 24 accumulators: 6 rows measured 20-30% faster than 4 from 8 rows on).
  *
  * Layouts:
  *   x       [rows, K]  rows x_row_stride elements apart, K contiguous
@@ -38,7 +39,7 @@ typedef float pvf __attribute__((vector_size(64)));  /* 16 floats */
 #define PANEL_LANES 16
 #define PANEL 64                                      /* output columns per panel */
 #define PANEL_VECTORS (PANEL / PANEL_LANES)
-#define ROW_BLOCK 4                                   /* rows sharing each loaded panel vector */
+#define ROW_BLOCK 6                                   /* rows sharing each loaded panel vector */
 #define MIN_PARALLEL_WEIGHT 65536
 
 static inline pvf pload(const float* p) { pvf v; memcpy(&v, p, sizeof(v)); return v; }
@@ -46,7 +47,7 @@ static inline void pstore(float* p, pvf v) { memcpy(p, &v, sizeof(v)); }
 static inline pvf psplat(float s) { return (pvf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
 /* rows [m, m + n_rows) of one panel; n_rows is a constant after inlining, so the
- * accumulators stay in registers (n_rows * 4 vectors). */
+ * accumulators stay in registers (n_rows * 4 vectors, at most 24 of the 32 zmm). */
 static inline __attribute__((always_inline)) void panel_rows(
         const float* x, int64_t x_row_stride, const float* panel, int64_t k_size, int n_rows,
         pvf acc[ROW_BLOCK][PANEL_VECTORS]) {
@@ -90,6 +91,8 @@ static void gemm_panels(const float* x, int64_t x_row_stride, const float* panel
                 case 1: n_rows = 1; panel_rows(xm, x_row_stride, panel, k_size, 1, acc); break;
                 case 2: n_rows = 2; panel_rows(xm, x_row_stride, panel, k_size, 2, acc); break;
                 case 3: n_rows = 3; panel_rows(xm, x_row_stride, panel, k_size, 3, acc); break;
+                case 4: n_rows = 4; panel_rows(xm, x_row_stride, panel, k_size, 4, acc); break;
+                case 5: n_rows = 5; panel_rows(xm, x_row_stride, panel, k_size, 5, acc); break;
                 default: panel_rows(xm, x_row_stride, panel, k_size, ROW_BLOCK, acc); break;
             }
             store_rows(acc, n_rows, bias, y + m * n_size, n_size, column, columns);
