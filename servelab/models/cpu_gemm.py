@@ -1,24 +1,26 @@
 """A float32 GEMM for a few rows on a CPU (``csrc/panel_gemm.c``); ``F.linear`` is the reference.
 
 Why: a decode step multiplies a few rows by every weight of the model, so its
-GEMMs stream the weights from memory. On a 2-core AMD EPYC (Zen 4), one
-thread, weights cold as in a step, the GEMMs of a whole forward took:
+GEMMs stream the weights from memory. ``bench/cpu_gemm.py`` (a whole decoder
+forward's GEMMs, weights cold as in a step) on a 2-core AMD EPYC (Zen 4), one
+thread, medians in ms:
 
-=====================  ====  ============  ==============  ==========
-weights                rows  ``F.linear``  oneDNN packed   panels
-=====================  ====  ============  ==============  ==========
-tiny (hidden 256)      1     0.61-1.26 ms  0.69-0.95 ms    0.31-0.34 ms
-tiny                   4     1.18-2.07 ms  0.62-1.07 ms    0.34 ms
-tiny                   8     1.51-2.66 ms  0.86-1.40 ms    0.61-0.67 ms
-tiny                   16    2.49-3.05 ms  1.50-1.91 ms    1.19-1.65 ms
-SmolLM2-135M layers    1     43.0 ms       35.9 ms         18.3 ms
-SmolLM2-135M layers    4     61.0 ms       28.3 ms         20.4 ms
-SmolLM2-135M layers    8     76.5 ms       45.2 ms         34.4 ms
-SmolLM2-135M layers    16    103.5 ms      49.2 ms         50.7 ms
-=====================  ====  ============  ==============  ==========
+=====================  ====  ============  ==============  ======  ==========
+weights                rows  ``F.linear``  oneDNN packed   panels  read floor
+=====================  ====  ============  ==============  ======  ==========
+tiny (hidden 256)      1     1.27          0.91            0.44    0.23
+tiny                   16    2.42          1.52            1.29    0.21
+tiny                   32    3.43          2.40            1.96    0.19
+tiny                   64    6.63          4.76            4.59    0.27
+SmolLM2-135M layers    1     38.3          33.2            18.7    18.2
+SmolLM2-135M layers    16    102.1         60.8            53.3    19.5
+SmolLM2-135M layers    32    154.8         96.9            90.7    19.4
+SmolLM2-135M layers    64    270.2         177.4           167.3   20.2
+=====================  ====  ============  ==============  ======  ==========
 
-(ranges: repeated runs on a noisy VM.) From 16 rows on the GEMM is bound by
-arithmetic and oneDNN's blocking wins (25-35% at 128-512 rows), so
+At 64 rows the two tie on the tiny model (and oneDNN wins at 2 threads), and
+oneDNN's blocking wins at hundreds of rows (by 12-35% at 128-512 rows against
+this kernel's first, 4-row-block version), so
 :mod:`servelab.models.linear` sends at most :data:`MAX_ROWS` rows here.
 
 Layout: :func:`pack` arranges a weight ``[N, K]`` once into panels of 64
@@ -46,7 +48,7 @@ from servelab.attention import cpu_decode
 #: output columns per panel (csrc/panel_gemm.c's PANEL).
 PANEL = 64
 #: most rows sent to the kernel by :func:`servelab.models.linear.linear` (see the table above).
-MAX_ROWS = 16
+MAX_ROWS = 32
 
 _library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
 
