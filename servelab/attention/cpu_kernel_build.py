@@ -53,7 +53,7 @@ from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c"))
-ABI_VERSION = 8
+ABI_VERSION = 9
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -199,6 +199,7 @@ for rows, k, n in ((1, 3, 5), (7, 40, 130), (3, 64, 300)):  # row blocks 6 + 1, 
     y = (ctypes.c_float * (rows * n))()
     lib.servelab_panel_gemm(x, k, w, b, y, rows, k, n, 2)
     assert y[0] == 0.5 * k + 2.0 and y[rows * n - 1] == 0.5 * k + 2.0, (y[0], y[rows * n - 1])
+assert lib.servelab_panel_gemm_preferred() in (0, 1)
 print("ok")
 """
 
@@ -237,6 +238,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_rope.restype = None
     lib.servelab_panel_gemm.argtypes = [p, i, p, p, p, i, i, i, i]
     lib.servelab_panel_gemm.restype = None
+    lib.servelab_panel_gemm_preferred.argtypes = []
+    lib.servelab_panel_gemm_preferred.restype = ctypes.c_int
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

@@ -41,6 +41,8 @@ process, :class:`servelab.attention.cpu_decode.LibraryOnce`) keeps ``F.linear``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from servelab.attention import cpu_decode
@@ -51,6 +53,7 @@ PANEL = 64
 MAX_ROWS = 32
 
 _library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
+_preferred: tuple[Any, bool] | None = None  # (library, preferred()) once asked
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -65,6 +68,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded = weight.detach().new_zeros(n_panels * PANEL, in_features)
     padded[:out_features] = weight.detach()
     return padded.view(n_panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def preferred() -> bool:
+    """Whether :func:`servelab.models.linear.linear` should route few rows here: the library is
+    built for 16-float vector registers (AVX-512). Elsewhere the kernel's 24 accumulators spill
+    (compiled for AVX2 it measured ~13x slower than oneDNN at 16 rows), so oneDNN / ``F.linear``
+    keep every row count; :func:`gemm` still computes correctly there."""
+    global _preferred
+    lib = _library()
+    if lib is None:
+        return False
+    if _preferred is None or _preferred[0] is not lib:  # asked once per loaded library
+        _preferred = (lib, bool(lib.servelab_panel_gemm_preferred()))
+    return _preferred[1]
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -143,8 +143,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     With ``cache`` given, ``x``, ``weight`` (and ``bias``) of a packed dtype on a CPU, and
     autograd not recording the op: a 2-D ``x`` of at most :data:`servelab.models.cpu_gemm.MAX_ROWS`
-    rows runs the few-row kernel on the weight's panels; otherwise a weight large enough to gain
-    (:data:`MIN_PACKED_ELEMENTS`) runs oneDNN on its packed copy. Everything else, and the
+    rows runs the few-row kernel on the weight's panels (where
+    :func:`~servelab.models.cpu_gemm.preferred`: an AVX-512 build); otherwise a weight large enough
+    to gain (:data:`MIN_PACKED_ELEMENTS`) runs oneDNN on its packed copy. Everything else, and the
     reference, is ``F.linear``.
     """
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
@@ -153,8 +154,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                              or (bias is not None and bias.requires_grad)))
             or (bias is not None and (bias.dtype is not x.dtype or bias.device.type != "cpu"))):
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.usable(x) and (
-            bias is None or bias.is_contiguous()):
+    if (x.dim() == 2 and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.preferred() and cpu_gemm.usable(x)
+            and (bias is None or bias.is_contiguous())):
         return cpu_gemm._gemm(x, cache.get_panels(weight), bias, weight.shape[0])
     if _ops_unavailable_reason() is not None or weight.numel() < MIN_PACKED_ELEMENTS:
         return F.linear(x, weight, bias)  # a small weight never wins back the packed call's fixed cost

@@ -93,7 +93,8 @@ def test_bad_arguments_name_themselves(kernel):
         cpu_gemm.gemm(x, panels, torch.randn(9), 10)
 
 
-def test_linear_takes_the_kernel_for_few_rows_only_and_repacks_a_changed_weight(kernel):
+def test_linear_takes_the_kernel_for_few_rows_only_and_repacks_a_changed_weight(kernel, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)  # the routing, on any build
     layer = Linear(40, 70).requires_grad_(False)
     few, many = torch.randn(cpu_gemm.MAX_ROWS, 40), torch.randn(cpu_gemm.MAX_ROWS + 1, 40)
     cache = layer._packed_weight()
@@ -112,6 +113,7 @@ def test_linear_takes_the_kernel_for_few_rows_only_and_repacks_a_changed_weight(
 def test_a_pipeline_generates_the_same_tokens_with_and_without_the_kernel(kernel, tmp_path, monkeypatch):
     from servelab import Pipeline, SamplingParams
 
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)  # the kernel runs on any build
     path = build_tiny_model(tmp_path / "tiny", seed=3)
     prompts = [[1, 5, 9, 2], [7] * 20, list(range(3, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -145,3 +147,12 @@ def test_a_bias_that_autograd_records_keeps_f_linear(kernel):
     layer.weight.requires_grad_(False)
     layer(torch.randn(2, 8)).sum().backward()  # only the bias needs a gradient
     assert layer.bias.grad is not None and layer._packed_weight().panels_key is None
+
+
+def test_the_route_is_preferred_only_on_builds_with_16_float_vectors(kernel, monkeypatch):
+    assert cpu_gemm.preferred() is bool(cpu_gemm._library.lib.servelab_panel_gemm_preferred())
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: False)  # e.g. an AVX2 build: oneDNN / F.linear
+    layer = Linear(40, 70).requires_grad_(False)
+    x = torch.randn(3, 40)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._packed_weight().panels_key is None

@@ -115,7 +115,7 @@ def test_rows_and_weight_size_pick_the_gemm():
     big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: oneDNN from MAX_ROWS + 1 rows
     big(torch.randn(rows_max + 1, 512))
     assert big._packed_weight().key is not None and big._packed_weight().panels_key is None
-    if cpu_gemm.usable(many):  # few rows, any size: the few-row kernel
+    if cpu_gemm.usable(many) and cpu_gemm.preferred():  # few rows, any size: the few-row kernel
         small(torch.randn(rows_max, 64))
         big(torch.randn(1, 512))
         assert small._packed_weight().panels_key is not None and big._packed_weight().panels_key is not None

@@ -119,3 +119,15 @@ void servelab_panel_gemm(const float* x, int64_t x_row_stride, const float* pane
 #endif
     gemm_panels(x, x_row_stride, panels, bias, y, rows, k_size, n_size, 0, n_panels);
 }
+
+/* 1 when this build's vectors are the kernel's 16-float registers (AVX-512). Elsewhere the 24
+ * accumulators do not fit the register file and spill: compiled for AVX2 the kernel measured
+ * ~13x slower than oneDNN at 16 rows, so servelab keeps oneDNN / F.linear there (it still computes
+ * correctly, and the tests run it). */
+int servelab_panel_gemm_preferred(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
