@@ -37,3 +37,17 @@ def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
         model, config = load_model(path)
         out[arch] = Checkpoint(path, model, config, load_hf(path))
     return out
+
+
+@pytest.fixture(scope="module")
+def kernel_library():
+    """The C CPU kernel library (RoPE, the few-row GEMM): skips only without a compiler; a
+    compiler that gives no loaded library fails."""
+    import shutil
+
+    from servelab.attention import cpu_decode, cpu_kernel_build
+
+    if shutil.which(cpu_kernel_build.compiler()) is None:
+        pytest.skip("no C compiler: the torch / oneDNN forms run")
+    if cpu_decode.library() is None:
+        pytest.fail("a C compiler exists but the CPU kernel library did not load")

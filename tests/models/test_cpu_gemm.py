@@ -1,14 +1,12 @@
 """The few-row C GEMM (``servelab.models.cpu_gemm``) against a float64 reference, and its routing."""
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_decode, cpu_kernel_build
+from servelab.attention import cpu_decode
 from servelab.models import build_tiny_model, cpu_gemm
 from servelab.models.linear import Linear
 
@@ -16,11 +14,8 @@ from model_harness import error_bound
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(cpu_kernel_build.compiler()) is None:
-        pytest.skip("no C compiler: linear runs F.linear / oneDNN")
-    if cpu_gemm._library() is None:
-        pytest.fail("a C compiler exists but the CPU kernel library did not load")
+def kernel(kernel_library):
+    """The library loaded (conftest's ``kernel_library``)."""
 
 
 def with_threads(threads, fn):

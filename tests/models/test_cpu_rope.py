@@ -1,24 +1,18 @@
 """The C RoPE (``servelab.models.cpu_rope``) against ``llama.rotate``'s torch form, bit for bit."""
 
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_kernel_build
 from servelab.models import cpu_rope
 from servelab.models.layers import apply_rotary
 from servelab.models.llama import rotate
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    if shutil.which(cpu_kernel_build.compiler()) is None:
-        pytest.skip("no C compiler: rotate runs its torch form")
-    if cpu_rope._library() is None:
-        pytest.fail("a C compiler exists but the CPU kernel library did not load")
+def kernel(kernel_library):
+    """The library loaded (conftest's ``kernel_library``)."""
 
 
 def tables(tokens, head_size, gen):
