@@ -53,7 +53,7 @@ from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c"))
-ABI_VERSION = 9
+ABI_VERSION = 10
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -191,10 +191,13 @@ y = (ctypes.c_float * (3 * 2 * 16))()
 lib.servelab_rope(x, 2 * 16, y, c, s, 3, 2, 16, 2)
 assert y[0] == 0.0 * 1.0 + 8.0 * 0.5 and y[3 * 2 * 16 - 1] == 15.0 + 7.0 * 0.5, (y[0], y[95])
 lib.servelab_panel_gemm.argtypes = [P, I, P, P, P, I, I, I, I]
+lib.servelab_panel_gemm_width.restype = I
+width = lib.servelab_panel_gemm_width()
+assert width in (16, 64), width
 for rows, k, n in ((1, 3, 5), (7, 40, 130), (3, 64, 300)):  # row blocks 6 + 1, a partial panel, 2 threads
-    panels = -(-n // 64)
+    panels = -(-n // width)
     x = (ctypes.c_float * (rows * k))(*[1.0] * (rows * k))
-    w = (ctypes.c_float * (panels * k * 64))(*[0.5] * (panels * k * 64))
+    w = (ctypes.c_float * (panels * k * width))(*[0.5] * (panels * k * width))
     b = (ctypes.c_float * n)(*[2.0] * n)
     y = (ctypes.c_float * (rows * n))()
     lib.servelab_panel_gemm(x, k, w, b, y, rows, k, n, 2)
@@ -240,6 +243,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_panel_gemm.restype = None
     lib.servelab_panel_gemm_preferred.argtypes = []
     lib.servelab_panel_gemm_preferred.restype = ctypes.c_int
+    lib.servelab_panel_gemm_width.argtypes = []
+    lib.servelab_panel_gemm_width.restype = ctypes.c_int64
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

@@ -17,13 +17,18 @@ rows        ``F.linear``      packed
 
 (1 thread; 2 threads 1.5-1.9x at 1-64 rows). That is most of a decode step,
 so packing is on by default for float32 models on a CPU. A packed call has
-a fixed cost of its own (~15-25 us there), so small weights stay on
-``F.linear`` (:data:`MIN_PACKED_ELEMENTS`).
+a fixed cost of its own (~15-25 us there), so small weights never go to
+oneDNN (:data:`MIN_PACKED_ELEMENTS`).
 
 Few rows (at most :data:`servelab.models.cpu_gemm.MAX_ROWS`: decode steps,
 LM heads) go to a second packed form instead, the C kernel's panels
 (:mod:`servelab.models.cpu_gemm`), at any weight size: there the weights
 stream cold and oneDNN's fixed cost and read rate lose to it by up to 2x.
+Small weights (under :data:`MIN_PACKED_ELEMENTS`) go there at every row count
+too: on a prefill's 33-512 rows it beat ``F.linear`` on the tiny model's
+256x256, 512x256 and 256x768 weights by 20-30% up to 256 rows and 6-15% at
+512 (1 thread; 15-45% at 2), where oneDNN's fixed cost keeps them off it.
+Only on builds where the kernel is :func:`~servelab.models.cpu_gemm.preferred`.
 
 Numerics: a different GEMM sums in a different order, so results differ
 from ``F.linear`` in the last bits (both stay within the float32 error
@@ -61,7 +66,8 @@ PACKED_DTYPES = (torch.float32,)
 #: the row count oneDNN picks the blocked layout for (the layout serves
 #: every row count; 16 measured as fast as 64 or 512 at those row counts).
 BATCH_HINT = 16
-#: smallest weight (``out * in`` elements) packed: a packed call costs a fixed
+#: smallest weight (``out * in`` elements) packed for oneDNN (smaller ones run the panel
+#: kernel at every row count where it is preferred, else ``F.linear``): a packed call costs a fixed
 #: ~15-25 us more than ``F.linear`` on the machine above, which a weight of
 #: 256x256 (16 us at 8 rows) never wins back. From 2^18 elements on, packed
 #: was as fast or faster from 2 rows on, and at one row over SmolLM2's whole
@@ -118,8 +124,9 @@ class PackedWeight:
         return self.packed  # type: ignore[return-value]
 
     def get_panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` ``[out, in]`` in :func:`servelab.models.cpu_gemm.pack`'s panels ``[ceil(out / 64), in, 64]``."""
-        key = (weight.data_ptr(), _version(weight), weight.shape)
+        """``weight`` ``[out, in]`` in :func:`servelab.models.cpu_gemm.pack`'s panels ``[ceil(out / W), in, W]``
+        (``W``: the loaded build's :func:`~servelab.models.cpu_gemm.panel_width`, part of the key)."""
+        key = (weight.data_ptr(), _version(weight), weight.shape, cpu_gemm.panel_width())
         if key != self.panels_key:
             self.panels = None
             self.panels = cpu_gemm.pack(weight)
@@ -143,23 +150,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
     With ``cache`` given, ``x``, ``weight`` (and ``bias``) of a packed dtype on a CPU, and
     autograd not recording the op: a 2-D ``x`` of at most :data:`servelab.models.cpu_gemm.MAX_ROWS`
-    rows runs the few-row kernel on the weight's panels (where
-    :func:`~servelab.models.cpu_gemm.preferred`: an AVX-512 build); otherwise a weight large enough
-    to gain (:data:`MIN_PACKED_ELEMENTS`) runs oneDNN on its packed copy. Everything else, and the
-    reference, is ``F.linear``.
+    rows, or any 2-D ``x`` with a weight under :data:`MIN_PACKED_ELEMENTS`, runs the few-row kernel
+    on the weight's panels (where :func:`~servelab.models.cpu_gemm.preferred`: AVX-512 and AVX2 + FMA
+    builds); otherwise a weight large enough to gain runs oneDNN on its packed copy. Everything
+    else, and the reference, is ``F.linear``.
     """
+    if cache is not None and x.dim() == 2 and (x.shape[0] <= cpu_gemm.MAX_ROWS
+                                               or weight.numel() < MIN_PACKED_ELEMENTS):
+        panels = _few_row_panels(x, weight, bias, cache)
+        if panels is not None:
+            return cpu_gemm._gemm(x, panels, bias, weight.shape[0])
     if (cache is None or x.dtype is not weight.dtype or x.dtype not in PACKED_DTYPES
             or x.device.type != "cpu" or weight.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad)))
             or (bias is not None and (bias.dtype is not x.dtype or bias.device.type != "cpu"))):
         return F.linear(x, weight, bias)
-    if (x.dim() == 2 and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.preferred() and cpu_gemm.usable(x)
-            and (bias is None or bias.is_contiguous())):
-        return cpu_gemm._gemm(x, cache.get_panels(weight), bias, weight.shape[0])
     if _ops_unavailable_reason() is not None or weight.numel() < MIN_PACKED_ELEMENTS:
         return F.linear(x, weight, bias)  # a small weight never wins back the packed call's fixed cost
     return torch.ops.mkldnn._linear_pointwise(x, cache.get(weight), bias, "none", [], "")
+
+
+def _few_row_panels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    cache: PackedWeight) -> torch.Tensor | None:
+    """``cache``'s panels of ``weight`` when the panel kernel takes this call (``x`` 2-D with at most
+    ``MAX_ROWS`` rows or a small weight, checked by the caller), else ``None``.
+
+    The conditions of the general route below (float32 CPU tensors, autograd not recording, a
+    contiguous bias) plus the kernel's own (``K`` contiguous in ``x``, a preferred build), written
+    in the cheapest tensor queries (``is_cpu`` builds no device object): this runs for every
+    linear layer of every decode step, where the checks cost as much as a small GEMM.
+    """
+    if not (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu
+            and (x.stride(1) == 1 or x.shape[1] <= 1) and cpu_gemm.preferred()):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return None
+    if bias is not None and not (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()):
+        return None
+    return cache.get_panels(weight)
 
 
 class Linear(nn.Linear):

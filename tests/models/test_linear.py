@@ -110,16 +110,41 @@ def test_rows_and_weight_size_pick_the_gemm():
     rows_max = cpu_gemm.MAX_ROWS
     small = Linear(64, 64, bias=False).requires_grad_(False)  # 4,096 elements
     many = torch.randn(rows_max + 1, 64)
-    assert torch.equal(small(many), F.linear(many, small.weight))  # many rows, small weight: F.linear
-    assert small._packed_weight().key is None and small._packed_weight().panels_key is None
+    panels = cpu_gemm.usable(many) and cpu_gemm.preferred()
+    got = small(many)  # many rows, small weight: never oneDNN; the panel kernel where preferred, else F.linear
+    assert small._packed_weight().key is None and (small._packed_weight().panels_key is not None) == panels
+    if not panels:
+        assert torch.equal(got, F.linear(many, small.weight))
     big = Linear(512, 512, bias=False).requires_grad_(False)  # 2^18: oneDNN from MAX_ROWS + 1 rows
     big(torch.randn(rows_max + 1, 512))
     assert big._packed_weight().key is not None and big._packed_weight().panels_key is None
-    if cpu_gemm.usable(many) and cpu_gemm.preferred():  # few rows, any size: the few-row kernel
-        small(torch.randn(rows_max, 64))
+    if panels:  # few rows, any size: the few-row kernel
         big(torch.randn(1, 512))
         assert small._packed_weight().panels_key is not None and big._packed_weight().panels_key is not None
         assert small._packed_weight().key is None
+
+
+@pytest.mark.parametrize("case", ["plain", "float64", "k_strided", "bias_strided", "x_records_grad"])
+def test_the_few_row_route_takes_only_what_the_kernel_can(kernel_library, monkeypatch, case):
+    """The few-row kernel's checks (linear._few_row_panels) refuse each input it cannot take, which
+    then runs the general route with F.linear's result; a plain input takes it."""
+    calls = []
+    real = cpu_gemm._gemm
+    monkeypatch.setattr(cpu_gemm, "_gemm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)  # the route on any build (the kernel computes
+    dtype = torch.float64 if case == "float64" else torch.float32  # correctly everywhere)
+    layer = Linear(48, 40, bias=True, dtype=dtype).requires_grad_(False)
+    x = torch.randn(3, 96 if case == "k_strided" else 48, dtype=dtype)
+    x = x[:, ::2] if case == "k_strided" else x
+    if case == "bias_strided":
+        layer.bias = torch.nn.Parameter(torch.randn(80)[::2], requires_grad=False)
+    if case == "x_records_grad":
+        x.requires_grad_(True)
+    got = layer(x)
+    assert calls == ([1] if case == "plain" else [])
+    want = F.linear(x.detach().double(), layer.weight.double(), layer.bias.double())
+    assert torch.allclose(got.detach().double(), want, atol=1e-5, rtol=1e-5)
+    assert got.requires_grad == (case == "x_records_grad")
 
 
 @needs_packing

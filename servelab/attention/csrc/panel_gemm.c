@@ -8,14 +8,49 @@
  * of the model, so the step streams the weights from memory once per layer.
  * Library GEMMs read them at a fraction of the copy bandwidth on such shapes
  * and pay a fixed cost per call (oneDNN: ~15-25 us) that a small model's
- * weights never win back. Here the weight is pre-arranged in panels of 64
- * output columns, each panel one sequential stream [K, 64], and every
- * element loaded is used by up to 6 rows from registers (6 rows x 4 vectors
- * = 24 accumulators: 6 rows measured 20-30% faster than 4 from 8 rows on).
+ * weights never win back. Here the weight is pre-arranged in panels of PANEL
+ * output columns, each panel one sequential stream [K, PANEL], and every
+ * element loaded is used by up to 6 rows from registers (6 rows measured
+ * 20-30% faster than 4 from 8 rows on).
+ *
+ * Width per target: the 6 rows' accumulators for one panel must stay in
+ * registers, or every multiply-add goes through memory. With AVX-512 (32 zmm)
+ * a panel is 64 columns = 4 vectors of 16 floats: 6 x 4 = 24 accumulators.
+ * Elsewhere it is 16 columns = 2 vectors of 8 floats (one ymm each; AVX2 has
+ * 16): 12 accumulators + 2 weight vectors + 1 broadcast = 15. (The 64-column
+ * panel compiled for AVX2 spilled: ~13x slower than oneDNN at 16 rows; the
+ * 16-column panel kept in 16-float vectors, 2 ymm each, still went through
+ * the stack: 259 vs 31 us for a 576x576 weight at one row.) NEON's 32 q
+ * registers hold the 16-column form too. cpu_gemm.pack reads the width from
+ * servelab_panel_gemm_width().
+ *
+ * Where it is preferred (servelab_panel_gemm_preferred): AVX-512, and AVX2
+ * with FMA. The AVX2 build was measured on an AVX-512 Zen 4 (2-core EPYC VM,
+ * one thread pinned, weights cold: 4 MiB written before each call,
+ * interleaved medians) against what servelab.models.linear runs without it,
+ * oneDNN's packed GEMM (weights of 2^18 elements or more) or F.linear, both
+ * capped to AVX2 as on a CPU without AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2,
+ * MKL_ENABLE_INSTRUCTIONS=AVX2). A whole decoder's GEMMs per forward, ms:
+ *
+ *   rows                     1      4      8     16     32
+ *   tiny (hidden 256)  AVX2  0.27   0.39   1.41   1.45   3.04
+ *                  without  0.47   0.86   1.94   1.93   3.60
+ *   SmolLM2-135M       AVX2  19.0   28.5   57.1   60.7  101.6
+ *                  without  36.7   43.9   67.2   73.9  116.7
+ *
+ * and per weight it was as fast or faster at every shape tried (576x576,
+ * 960x576, 1536x576, 3072x576, 576x1536, 1536x256, 256x768, 128x256, 256x64)
+ * and row count (1-64): up to 2x at 4 rows, 1.1-1.5x at 8-24, ties at one
+ * row on the smallest weights and at 32 rows on the largest (3072x576: 1.20
+ * vs 1.22 ms). So the AVX2 build keeps the same MAX_ROWS as AVX-512. Against
+ * oneDNN's own AVX-512 code on that machine the AVX2 build loses from 8 rows
+ * on (3072x576, 16 rows: 0.99 vs 0.73 ms), which is why the AVX-512 build
+ * keeps its 64-column panels. Other targets (no
+ * AVX2/FMA, NEON) compute correctly but are not measured, so not preferred.
  *
  * Layouts:
  *   x       [rows, K]  rows x_row_stride elements apart, K contiguous
- *   panels  [P, K, 64] P = ceil(N / 64): panels[p, k, j] = w[p * 64 + j, k],
+ *   panels  [P, K, W]  W = PANEL, P = ceil(N / W): panels[p, k, j] = w[p * W + j, k],
  *                      zero past column N (packed by cpu_gemm.pack)
  *   bias    [N] or NULL
  *   y       [rows, N]  contiguous
@@ -35,19 +70,27 @@
 #include <omp.h>
 #endif
 
-typedef float pvf __attribute__((vector_size(64)));  /* 16 floats */
+#if defined(__AVX512F__)
+typedef float pvf __attribute__((vector_size(64)));  /* 16 floats, one zmm */
 #define PANEL_LANES 16
-#define PANEL 64                                      /* output columns per panel */
+#define PANEL 64  /* output columns per panel: 4 zmm per k, 6 rows x 4 = 24 accumulators of 32 zmm */
+#define PSPLAT(s) {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}
+#else
+typedef float pvf __attribute__((vector_size(32)));  /* 8 floats: one ymm, two NEON q */
+#define PANEL_LANES 8
+#define PANEL 16  /* 2 ymm per k, 6 rows x 2 = 12 accumulators + 2 loads + 1 broadcast of 16 ymm */
+#define PSPLAT(s) {s, s, s, s, s, s, s, s}
+#endif
 #define PANEL_VECTORS (PANEL / PANEL_LANES)
 #define ROW_BLOCK 6                                   /* rows sharing each loaded panel vector */
 #define MIN_PARALLEL_WEIGHT 65536
 
 static inline pvf pload(const float* p) { pvf v; memcpy(&v, p, sizeof(v)); return v; }
 static inline void pstore(float* p, pvf v) { memcpy(p, &v, sizeof(v)); }
-static inline pvf psplat(float s) { return (pvf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline pvf psplat(float s) { return (pvf)PSPLAT(s); }
 
 /* rows [m, m + n_rows) of one panel; n_rows is a constant after inlining, so the
- * accumulators stay in registers (n_rows * 4 vectors, at most 24 of the 32 zmm). */
+ * accumulators stay in registers (n_rows * PANEL_VECTORS: at most 24 of the 32 zmm, 12 of the 16 ymm). */
 static inline __attribute__((always_inline)) void panel_rows(
         const float* x, int64_t x_row_stride, const float* panel, int64_t k_size, int n_rows,
         pvf acc[ROW_BLOCK][PANEL_VECTORS]) {
@@ -120,12 +163,14 @@ void servelab_panel_gemm(const float* x, int64_t x_row_stride, const float* pane
     gemm_panels(x, x_row_stride, panels, bias, y, rows, k_size, n_size, 0, n_panels);
 }
 
-/* 1 when this build's vectors are the kernel's 16-float registers (AVX-512). Elsewhere the 24
- * accumulators do not fit the register file and spill: compiled for AVX2 the kernel measured
- * ~13x slower than oneDNN at 16 rows, so servelab keeps oneDNN / F.linear there (it still computes
- * correctly, and the tests run it). */
+/* PANEL: the column count cpu_gemm.pack must lay the panels out in for this build. */
+int64_t servelab_panel_gemm_width(void) { return PANEL; }
+
+/* 1 where the kernel measured faster than oneDNN / F.linear up to cpu_gemm.MAX_ROWS rows: AVX-512 builds
+ * (64-column panels) and AVX2 + FMA builds (16-column panels; the numbers are in the header). Elsewhere it
+ * still computes correctly (the tests run it), and servelab keeps oneDNN / F.linear. */
 int servelab_panel_gemm_preferred(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     return 1;
 #else
     return 0;
