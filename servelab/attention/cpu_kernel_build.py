@@ -1,8 +1,9 @@
 """Build, cache, verify and load the C CPU kernels, one library: decode attention
 (``csrc/decode_attention.c``, used by :mod:`servelab.attention.cpu_decode`), RMSNorm
 (``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`), RoPE (``csrc/rope.c``,
-:mod:`servelab.models.cpu_rope`) and the few-row GEMM (``csrc/panel_gemm.c``,
-:mod:`servelab.models.cpu_gemm`).
+:mod:`servelab.models.cpu_rope`), the few-row GEMM (``csrc/panel_gemm.c``,
+:mod:`servelab.models.cpu_gemm`) and a decoder layer's glue on a decode step
+(``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -52,8 +53,9 @@ from pathlib import Path
 from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
-                                  for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c"))
-ABI_VERSION = 10
+                                  for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
+                                               "decode_glue.c"))
+ABI_VERSION = 11
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -203,6 +205,23 @@ for rows, k, n in ((1, 3, 5), (7, 40, 130), (3, 64, 300)):  # row blocks 6 + 1, 
     lib.servelab_panel_gemm(x, k, w, b, y, rows, k, n, 2)
     assert y[0] == 0.5 * k + 2.0 and y[rows * n - 1] == 0.5 * k + 2.0, (y[0], y[rows * n - 1])
 assert lib.servelab_panel_gemm_preferred() in (0, 1)
+lib.servelab_glue_qkv.argtypes = [P, P, F, P, P, P, P, P, P, P, I, I, I, I, I, I]
+lib.servelab_glue_out.argtypes = [P, I, P, P, P, P, P, F, P, P, P, P, I, I, I, I, I]
+lib.servelab_glue_down.argtypes = [P, I, P, P, P, P, I, I, I]
+rows, hidden, d = 2, 16, 8  # weights of 0.5 over ones: every GEMM output is 0.5 * K + bias
+ones = lambda n: (ctypes.c_float * n)(*[1.0] * n)
+half = lambda n, k: (ctypes.c_float * (-(-n // width) * k * width))(*[0.5] * (-(-n // width) * k * width))
+x, normed, h, y = ones(rows * hidden), ones(rows * hidden), ones(rows * hidden), ones(rows * hidden)
+qkv, qk, gu = ones(rows * 3 * d), ones(rows * 2 * d), ones(rows * 2 * 4)
+c, s = ones(rows * d), (ctypes.c_float * (rows * d))()
+lib.servelab_glue_qkv(x, ones(hidden), 0.0, normed, half(3 * d, hidden), None, qkv, qk, c, s, rows, hidden, 3 * d,
+                      2, d, 2)
+assert normed[0] == 1.0 and qkv[0] == 8.0 and qk[2 * d * rows - 1] == 8.0, (normed[0], qkv[0], qk[0])
+lib.servelab_glue_out(qkv, 3 * d, half(hidden, 2 * d), None, x, h, ones(hidden), 0.0, normed, half(8, hidden), None,
+                      gu, rows, 2 * d, hidden, 8, 2)
+assert h[0] == 0.5 * 8.0 * 2 * d + 1.0 and gu[7] == 8.0, (h[0], gu[7])  # attn = qkv: 8.0 everywhere
+lib.servelab_glue_down(gu, 4, half(hidden, 4), None, h, y, rows, hidden, 2)
+assert y[rows * hidden - 1] == 0.5 * 4 * 64.0 + h[0], y[rows * hidden - 1]
 print("ok")
 """
 
@@ -245,6 +264,12 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_panel_gemm_preferred.restype = ctypes.c_int
     lib.servelab_panel_gemm_width.argtypes = []
     lib.servelab_panel_gemm_width.restype = ctypes.c_int64
+    f = ctypes.c_float
+    lib.servelab_glue_qkv.argtypes = [p, p, f, p, p, p, p, p, p, p, i, i, i, i, i, i]
+    lib.servelab_glue_out.argtypes = [p, i, p, p, p, p, p, f, p, p, p, p, i, i, i, i, i]
+    lib.servelab_glue_down.argtypes = [p, i, p, p, p, p, i, i, i]
+    for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down"):
+        getattr(lib, name).restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from servelab.attention import ops as attention_ops
 from servelab.attention.backends import AttentionBackend
-from servelab.models import cpu_rope
+from servelab.models import cpu_rope, decode_glue
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.linear import Linear, PackedWeight, linear
@@ -201,12 +201,18 @@ class LlamaAttention(nn.Module):
         qk = rotate(qk, *attention.rope_tables(cos, sin))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # views (Tensor.split's Python wrapper is slower)
         v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attend(q, k, v, kv_cache, attention)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               attention: _StepAttention) -> torch.Tensor:
+        """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache``, then attend ``q``
+        ``[T, num_heads, head_dim]`` over it -> ``[T, num_heads, head_dim]`` (also the glued layer's)."""
         key_cache, value_cache = kv_cache
         # Write first: this step's queries attend to this step's keys too.
         attention.reshape_and_cache(k, v, key_cache, value_cache)
-        out = attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
-                                        sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
+                                         sliding_window=self.sliding_window)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -221,6 +227,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
     def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
+        glue = None if torch.is_grad_enabled() else decode_glue.parts(self, x, LlamaAttention)
+        if glue is not None:  # a decode step on a CPU: the same kernels, three C calls (models/decode_glue.py)
+            tables = attention.rope_tables(cos, sin)
+            if decode_glue.tables_fit(*tables, x.shape[0], glue.attention.head_dim):
+                return decode_glue.forward(glue, x, *tables, kv_cache, attention)
         # Unfused residual adds (not vLLM's fused add+norm) so that bf16 rounds
         # exactly as HF does.
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention)

@@ -1,0 +1,166 @@
+"""A Llama decoder layer's glue on a decode step in three C calls (``csrc/decode_glue.c``).
+
+Why: on a decode step a small model's layer is a dozen tiny operations (two
+RMSNorms, four GEMMs, RoPE, two residual adds, the SwiGLU product). Each is
+already one C call or one torch op, but each is reached through a module call,
+its checks and an allocation: on the tiny model (hidden 256) that Python was
+most of a decode step. Here the same kernels run back to back from C:
+
+=========================================  =====================================
+unfused (``LlamaDecoderLayer``'s modules)   glued
+=========================================  =====================================
+``input_layernorm``, ``qkv_proj``, RoPE     ``servelab_glue_qkv``
+cache write, paged attention                the same Python (backends swap there)
+``o_proj``, ``+ x``, ``post_attention_      ``servelab_glue_out``
+layernorm``, ``gate_up_proj``
+SiLU (torch, in place)                      the same torch op
+``* up``, ``down_proj``, ``+ h``            ``servelab_glue_down``
+=========================================  =====================================
+
+Same bits: the glue runs only where every unfused step would run the same C
+kernel (the RMSNorm whose bits probe passed, the RoPE, the panel GEMM on a
+build where it is preferred, at most ``cpu_gemm.MAX_ROWS`` rows), in the same
+order, so its output and the K/V it writes equal the unfused layer's bit for
+bit (``tests/models/test_decode_glue.py``). SiLU stays torch's (its vectorized
+``exp`` is not one a C ``exp`` can promise to match).
+
+When (:func:`parts`): float32 CPU rows outside autograd, tracing and
+compilation; the layer's parts exactly servelab's classes (a researcher who
+swaps ``layer.mlp`` for their own module gets their module called), none with
+a hook, no global module hook, weight packing on. Anything else runs the
+unfused modules; ``SERVELAB_CPU_KERNELS=0`` turns it off with the other kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as _torch_module
+
+from servelab.attention import cpu_decode
+from servelab.models import cpu_gemm, cpu_norm
+from servelab.models.layers import RMSNorm, SwiGLUMLP
+from servelab.models.linear import Linear
+
+_library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class GlueParts(NamedTuple):
+    """What :func:`forward` reads from one layer (its own modules, checked by :func:`parts`)."""
+
+    attention: Any  # the layer's LlamaAttention (sizes, scale, window; its attend())
+    input_norm: RMSNorm
+    qkv: Linear
+    o: Linear
+    post_norm: RMSNorm
+    gate_up: Linear
+    down: Linear
+    intermediate: int
+
+
+def _no_global_hooks() -> bool:
+    m = _torch_module
+    return not (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+def parts(layer: torch.nn.Module, x: torch.Tensor, attention_type: Any) -> GlueParts | None:
+    """``layer``'s parts when its decode step can run glued on ``x`` ``[rows, hidden]``, else ``None``.
+
+    ``attention_type``: the attention class the glue knows (the caller's, ``LlamaAttention``).
+    The conditions are the module docstring's; each is a cheap query (dict lookups, no
+    module ``__getattr__``): this runs once per layer and step.
+    """
+    if not (x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
+            and x.is_contiguous() and not torch.is_grad_enabled()):
+        return None
+    if (_library() is None or not cpu_gemm.preferred() or not cpu_norm.available() or not _no_global_hooks()
+            or torch._C._get_tracing_state() or torch.compiler.is_compiling()):
+        return None
+    m: dict[str, Any] = layer._modules  # dict lookups: a module's __getattr__ costs ~0.5 us each
+    attn: Any = m.get("self_attn")
+    mlp: Any = m.get("mlp")
+    n1, n2 = m.get("input_layernorm"), m.get("post_attention_layernorm")
+    if (type(attn) is not attention_type or type(mlp) is not SwiGLUMLP or type(n1) is not RMSNorm
+            or type(n2) is not RMSNorm):
+        return None
+    qkv, o = attn._modules.get("qkv_proj"), attn._modules.get("o_proj")
+    gate_up: Any = mlp._modules.get("gate_up_proj")
+    down: Any = mlp._modules.get("down_proj")
+    linears = (qkv, o, gate_up, down)
+    if not all(type(lin) is Linear and lin.pack_weights and _fits(lin) for lin in linears):
+        return None
+    if not all(_norm_fits(n, x.shape[1]) for n in (n1, n2)) or attn.head_dim % 2:
+        return None
+    if any(getattr(mod, hooks) for mod in (layer, attn, mlp, n1, n2, *linears) for hooks in _HOOKS):
+        return None
+    return GlueParts(attn, n1, qkv, o, n2, gate_up, down, mlp.intermediate_size)
+
+
+def tables_fit(cos: torch.Tensor, signed_sin: torch.Tensor, rows: int, head_dim: int) -> bool:
+    """Whether the step's RoPE tables are what ``servelab_rope`` reads: float32 ``[rows, 1, head_dim]``
+    views of contiguous ``[rows, head_dim]`` (as :func:`servelab.models.cpu_rope.usable` asks)."""
+    table = (rows, 1, head_dim)
+    return all(t.dtype is torch.float32 and t.is_cpu and t.shape == table and t.stride(0) == head_dim
+               and t.stride(2) == 1 for t in (cos, signed_sin))
+
+
+def _fits(linear: Linear) -> bool:
+    p: dict[str, Any] = linear._parameters
+    weight, bias = p["weight"], p.get("bias")
+    return (weight is not None and weight.dtype is torch.float32 and weight.is_cpu
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous())))
+
+
+def _norm_fits(norm: RMSNorm, hidden: int) -> bool:
+    weight: Any = norm._parameters["weight"]
+    return (weight is not None and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()
+            and weight.shape[0] == hidden and hidden >= cpu_norm.MIN_HIDDEN)
+
+
+def _panels(linear: Linear) -> tuple[int, int]:
+    """(panels pointer, bias pointer or 0) of a :class:`Linear` (its panels made on first use)."""
+    p: dict[str, Any] = linear._parameters
+    bias = p.get("bias")
+    return linear._packed_weight().get_panels(p["weight"]).data_ptr(), 0 if bias is None else bias.data_ptr()
+
+
+def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+            kv_cache: tuple[torch.Tensor, torch.Tensor], step_attention: Any) -> torch.Tensor:
+    """The layer on ``x`` float32 ``[rows, hidden]`` -> a new ``[rows, hidden]``, writing this step's
+    K/V into ``kv_cache`` through ``step_attention`` (the model's per-step attention view).
+
+    ``cos`` / ``signed_sin``: the step's RoPE tables ``[rows, 1, head_dim]``, views of contiguous
+    ``[rows, head_dim]`` (``_StepAttention.rope_tables``)."""
+    lib, threads = _library.lib, torch.get_num_threads()
+    attn = glue.attention
+    rows, hidden = x.shape
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    qkv_size = attn.q_size + 2 * attn.kv_size
+    normed = torch.empty(rows, hidden)
+    qkv = torch.empty(rows, qkv_size)
+    qk = torch.empty(rows, heads + kv_heads, head_dim)
+    panels, bias = _panels(glue.qkv)
+    lib.servelab_glue_qkv(x.data_ptr(), glue.input_norm.weight.data_ptr(), glue.input_norm.eps,
+                          normed.data_ptr(), panels, bias or None, qkv.data_ptr(), qk.data_ptr(), cos.data_ptr(),
+                          signed_sin.data_ptr(), rows, hidden, qkv_size, heads + kv_heads, head_dim, threads)
+    v = qkv[:, attn.q_size + attn.kv_size:].view(rows, kv_heads, head_dim)
+    out = attn.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, step_attention).reshape(rows, attn.q_size)
+    if out.stride(1) != 1:
+        out = out.contiguous()
+    h, gate_up = torch.empty(rows, hidden), torch.empty(rows, 2 * glue.intermediate)
+    o_panels, o_bias = _panels(glue.o)
+    gu_panels, gu_bias = _panels(glue.gate_up)
+    lib.servelab_glue_out(out.data_ptr(), out.stride(0), o_panels, o_bias or None, x.data_ptr(), h.data_ptr(),
+                          glue.post_norm.weight.data_ptr(), glue.post_norm.eps, normed.data_ptr(),
+                          gu_panels, gu_bias or None, gate_up.data_ptr(), rows, attn.q_size, hidden,
+                          2 * glue.intermediate, threads)
+    F.silu(gate_up[:, : glue.intermediate], inplace=True)
+    y = torch.empty(rows, hidden)
+    down_panels, down_bias = _panels(glue.down)
+    lib.servelab_glue_down(gate_up.data_ptr(), glue.intermediate, down_panels, down_bias or None, h.data_ptr(),
+                           y.data_ptr(), rows, hidden, threads)
+    return y

@@ -1,0 +1,139 @@
+"""The glued decode layer (servelab.models.decode_glue) against the unfused modules, bit for bit."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from servelab import Pipeline, SamplingParams
+from servelab.models import ModelConfig, cpu_gemm, decode_glue, tiny_config
+from servelab.models.layers import SwiGLUMLP
+from servelab.models.linear import set_weight_packing
+from servelab.models.llama import LlamaAttention, LlamaForCausalLM
+from servelab.models.loader import copy_weights
+from servelab.models.tiny import random_weights
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LlamaForCausalLM:
+    cfg = tiny_config(arch, **overrides)
+    model = LlamaForCausalLM(ModelConfig.from_hf(cfg)).eval()
+    copy_weights(model, ((n, t, "memory") for n, t in random_weights(cfg, seed).items()), "memory")
+    return model
+
+
+def run(model, prompts, steps: int, *, glue: bool, monkeypatch) -> tuple[list[torch.Tensor], list, int]:
+    """Every step's final hidden states (the LM head's input), the KV caches after ``steps``
+    steps, and how many layer calls were glued (``model``: a fresh one per run)."""
+    monkeypatch.setattr(decode_glue, "parts", real_parts if glue else (lambda *a: None))
+    calls = []
+    monkeypatch.setattr(decode_glue, "forward", lambda *a: calls.append(1) or real_forward(*a))
+    pipe = Pipeline(model, attention_backend="sdpa", block_size=16, num_blocks=64, max_model_len=256,
+                    enable_prefix_caching=False)
+    pipe.kv_caches.buffer.zero_()  # unwritten slots hold whatever the allocation did: make them equal
+    seen = []
+    logits = pipe.model.compute_logits
+    monkeypatch.setattr(pipe.model, "compute_logits", lambda h: (seen.append(h.clone()), logits(h))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for prompt in prompts:
+        pipe.add_request(prompt, params, detokenize=False)
+    for _ in range(steps):
+        pipe.step()
+    return seen, [t.clone() for pair in pipe.kv_caches.views for t in pair], len(calls)
+
+
+real_parts, real_forward = decode_glue.parts, decode_glue.forward
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arch=st.sampled_from(["llama", "qwen2", "mistral"]), per_head=st.sampled_from([4, 8, 16]),
+       heads_kv=st.sampled_from([(4, 2), (2, 2), (6, 2), (4, 1)]), head_dim=st.sampled_from([8, 16]),
+       intermediate=st.integers(8, 100), batch=st.integers(1, 5), threads=st.integers(1, 2),
+       seed=st.integers(0, 3))
+def test_the_glued_layer_equals_the_unfused_modules_bit_for_bit(kernel_library, monkeypatch, arch, per_head,
+                                                                  heads_kv, head_dim, intermediate, batch, threads,
+                                                                  seed):
+    """Shapes (hidden = heads x per_head, GQA groups 1-3, Qwen2's q/k/v biases, Mistral's window), batches
+    of 1-5 decode rows, 1 and 2 threads: every step's hidden states and the K/V written are equal."""
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)  # the panel GEMM (and so the glue) on any build
+    heads, kv_heads = heads_kv
+    shape = dict(hidden_size=heads * per_head, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 head_dim=head_dim, intermediate_size=intermediate)
+    prompts = [[3 + (seed * 7 + i * 13 + j) % 400 for j in range(4 + 9 * i)] for i in range(batch)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        glued, glued_caches, calls = run(tiny_model(arch, seed, **shape), prompts, 5, glue=True,
+                                         monkeypatch=monkeypatch)
+        plain, plain_caches, plain_calls = run(tiny_model(arch, seed, **shape), prompts, 5, glue=False,
+                                               monkeypatch=monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+    layers = tiny_config(arch).num_hidden_layers
+    prefill_glued = sum(map(len, prompts)) <= cpu_gemm.MAX_ROWS  # a prefill of few rows is glued too
+    assert calls == (4 + prefill_glued) * layers and plain_calls == 0
+    assert len(glued) == len(plain) == 5
+    assert all(torch.equal(a, b) for a, b in zip(glued, plain))
+    assert all(torch.equal(a, b) for a, b in zip(glued_caches, plain_caches))
+
+
+def decode_rows(model, rows: int = 2) -> torch.Tensor:
+    return torch.randn(rows, model.config.hidden_size)
+
+
+@pytest.fixture
+def model(kernel_library, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+    return tiny_model()
+
+
+def test_a_plain_layer_is_glued(model):
+    with torch.inference_mode():
+        assert decode_glue.parts(model.model.layers[0], decode_rows(model), LlamaAttention) is not None
+
+
+@pytest.mark.parametrize("case", ["grad", "many_rows", "float64", "no_packing", "not_preferred", "no_library",
+                                  "tracing", "module_hook", "global_hook", "swapped_mlp", "odd_rows_layout"])
+def test_every_other_case_keeps_the_modules(model, monkeypatch, case):
+    """Each condition of decode_glue.parts refuses on its own (the others holding)."""
+    layer, x = model.model.layers[0], decode_rows(model)
+    handles = []
+    if case == "many_rows":
+        x = decode_rows(model, cpu_gemm.MAX_ROWS + 1)
+    elif case == "float64":
+        x = x.double()
+    elif case == "no_packing":
+        set_weight_packing(model, False)
+    elif case == "not_preferred":
+        monkeypatch.setattr(cpu_gemm, "preferred", lambda: False)
+    elif case == "no_library":
+        monkeypatch.setattr(decode_glue, "_library", lambda: None)
+    elif case == "tracing":
+        monkeypatch.setattr(torch._C, "_get_tracing_state", lambda: object())
+    elif case == "module_hook":
+        handles.append(layer.mlp.down_proj.register_forward_hook(lambda *a: None))
+    elif case == "global_hook":
+        handles.append(nn.modules.module.register_module_forward_pre_hook(lambda *a: None))
+    elif case == "swapped_mlp":
+        class MyMLP(SwiGLUMLP):  # a researcher's MLP: its own forward must run
+            pass
+
+        mine = MyMLP(model.config.hidden_size, model.config.intermediate_size, False)
+        layer.mlp = mine
+    elif case == "odd_rows_layout":
+        x = torch.randn(model.config.hidden_size, 2).t()  # rows not contiguous
+    try:
+        with torch.inference_mode(case != "grad"):
+            assert decode_glue.parts(layer, x, LlamaAttention) is None
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_a_hooked_module_is_called_in_a_pipeline(model, monkeypatch):
+    """End to end: a forward hook on one linear layer sees every step (the glue stays off that layer)."""
+    seen = []
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    _, _, calls = run(model, [[5, 6, 7], [9] * 12], 4, glue=True, monkeypatch=monkeypatch)
+    assert seen == [15, 2, 2, 2]  # the prefill's 15 rows, then three decode steps of 2
+    assert calls == 4  # layer 0 glued on every step (15 rows are few too), layer 1 never
