@@ -55,7 +55,7 @@ from servelab._internal.paths import kernel_cache_dir
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
                                                "decode_glue.c"))
-ABI_VERSION = 11
+ABI_VERSION = 12
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -179,6 +179,11 @@ for d in (16, 64):
         lib.servelab_decode_attention(q, kv * g * d, tiles, values, lens, s, out, heads, kv, g, d, cap, cap, 1.0,
                                       2, k, k, slots)
         assert tiles[(cap - 1) // 16 * d * 16 + (cap - 1) % 16] == 0.25 and values[(cap - 1) * d] == 0.25
+lib.servelab_write_kv.argtypes = [P, I, P, I, P, P, P, I, I]
+src = (ctypes.c_float * 12)(*range(12))
+dst_k, dst_v = (ctypes.c_float * 16)(), (ctypes.c_float * 16)()
+lib.servelab_write_kv(src, 6, src, 4, dst_k, dst_v, (ctypes.c_int64 * 2)(3, 0), 2, 4)  # rows of 4 into slots 3, 0
+assert list(dst_k[12:16]) == [0, 1, 2, 3] and list(dst_k[0:4]) == [6, 7, 8, 9] and dst_v[0] == 4, list(dst_k)
 lib.servelab_rms_norm.argtypes = [P, P, P, I, I, F, I]
 for n in (8, 17, 576):
     x = (ctypes.c_float * (4 * n))(*[2.0] * (4 * n))
@@ -254,6 +259,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_decode_attention.argtypes = [p, i, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i, p, p,
                                               p]
     lib.servelab_decode_attention.restype = None
+    lib.servelab_write_kv.argtypes = [p, i, p, i, p, p, p, i, i]
+    lib.servelab_write_kv.restype = None
     lib.servelab_rms_norm.argtypes = [p, p, p, i, i, ctypes.c_float, i]
     lib.servelab_rms_norm.restype = None
     lib.servelab_rope.argtypes = [p, i, p, p, p, i, i, i, i]

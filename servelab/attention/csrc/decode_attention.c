@@ -133,7 +133,7 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 11; }
+int servelab_abi_version(void) { return 12; }
 
 /* The cache key this library was built under (compiler, flags, resolved target
  * features, source): the loader refuses a file whose key is not its own. */
@@ -191,6 +191,19 @@ static inline void append_head(const float* key_rows, const float* value_rows, c
     float* tile = tiles + h * cap * head_size + (pos / LANES) * head_size * LANES + pos % LANES;
     for (int64_t d = 0; d < head_size; ++d) tile[d * LANES] = k[d];
     memcpy(values + (h * cap + pos) * head_size, v, (size_t)head_size * sizeof(float));
+}
+
+/* reshape_and_cache's write on a CPU: row i of k and v ([n, row_size] each, rows k_row_stride /
+ * v_row_stride elements apart, a row contiguous) to row slots[i] of the flattened caches key_rows /
+ * value_rows ([slots, row_size], contiguous). A pure copy, rows in order; the caller guarantees
+ * 0 <= slots[i] < the caches' rows (servelab/attention/ops.py checks it once per step). Why: the
+ * torch form is two index_copy_ calls per layer, ~20 us of dispatch for a decode step's few rows. */
+void servelab_write_kv(const float* k, int64_t k_row_stride, const float* v, int64_t v_row_stride,
+                       float* key_rows, float* value_rows, const int64_t* slots, int64_t n, int64_t row_size) {
+    for (int64_t i = 0; i < n; ++i) {
+        memcpy(key_rows + slots[i] * row_size, k + i * k_row_stride, (size_t)row_size * sizeof(float));
+        memcpy(value_rows + slots[i] * row_size, v + i * v_row_stride, (size_t)row_size * sizeof(float));
+    }
 }
 
 /* One team of `team` threads (a variable of that name in scope), each running the block
