@@ -8,8 +8,9 @@ signatures, checks and results as the references
 the difference is the hot path: with ``check_inputs=False`` and no skipped
 slot the write is two ``index_copy_`` calls, or on a CPU in float32 one C call
 (``servelab_write_kv`` in ``csrc/decode_attention.c``, a plain row copy: the
-same result), which a decode step's few rows wanted: the two ``index_copy_``
-dispatches cost ~20 us per layer there against ~3 us for the call.
+same result), which a decode step's few rows wanted: one row of K and V per layer
+took 15.3 us through the two ``index_copy_`` calls and 9.2 us through the C call
+(checks included; a SmolLM2 batch-16 decode step 1.4% faster).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def _write_in_c(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     contiguous ``[N, B, Hk, D]``; ``key`` / ``value`` rows ``[n >= len(slots), Hk, D]`` each
     contiguous; every slot ``< N * B``); True when it wrote."""
     n = slots.shape[0]
+    if key.shape[1:] != value.shape[1:]:
+        return False
     for src, cache in ((key, key_cache), (value, value_cache)):
         if not (src.dtype is torch.float32 and cache.dtype is torch.float32 and src.is_cpu and cache.is_cpu
                 and src.dim() == 3 and cache.dim() == 4 and src.shape[1:] == cache.shape[2:]
