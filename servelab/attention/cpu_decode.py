@@ -145,7 +145,7 @@ def _scores(q: torch.Tensor, row_stride: int, group: int, tiles: torch.Tensor, l
     of the ``lens.shape[0]`` rows, ``row_stride`` elements apart (heads and dimensions
     contiguous): a contiguous ``[H, G, D]``, or a fused QKV output's query slice ``[rows, Hq, D]``."""
     heads, head_size = tiles.shape[0], tiles.shape[2]
-    out = torch.empty(heads, group, width, dtype=torch.float32)
+    out = torch.empty(heads, group, width, dtype=torch.float32, device="cpu")
     _library().servelab_decode_scores(q.data_ptr(), row_stride, tiles.data_ptr(), lens.data_ptr(), out.data_ptr(),
                                       heads, kv_per_row, group, head_size, tiles.shape[1] * LANES, width, scale,
                                       torch.get_num_threads())
@@ -154,7 +154,7 @@ def _scores(q: torch.Tensor, row_stride: int, group: int, tiles: torch.Tensor, l
 
 def _pv(p: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int) -> torch.Tensor:
     heads, group, width = p.shape
-    out = torch.empty(heads, group, values.shape[-1], dtype=p.dtype)
+    out = torch.empty(heads, group, values.shape[-1], dtype=p.dtype, device="cpu")
     _library().servelab_decode_pv(p.data_ptr(), values.data_ptr(), lens.data_ptr(), out.data_ptr(), heads,
                                   kv_per_row, group, values.shape[-1], values.shape[1], width,
                                   torch.get_num_threads())
@@ -185,8 +185,8 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
     """
     heads, head_size = tiles.shape[0], tiles.shape[2]
     group = q.shape[1] // kv_per_row
-    scores = torch.empty(heads, group, width, dtype=torch.float32)  # workspace
-    out = torch.empty(heads, group, head_size, dtype=torch.float32)
+    scores = torch.empty(heads, group, width, dtype=torch.float32, device="cpu")  # workspace
+    out = torch.empty(heads, group, head_size, dtype=torch.float32, device="cpu")
     rows = (None, None, None) if append is None else (append[0].data_ptr(), append[1].data_ptr(),
                                                       append[2].data_ptr())
     _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),

@@ -146,7 +146,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_f
 def _gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """:func:`gemm` unchecked (:func:`servelab.models.linear.linear`'s hot path, after :func:`usable`)."""
     rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.float32)
+    out = torch.empty(rows, out_features, dtype=torch.float32, device="cpu")
     if rows:
         _library.lib.servelab_panel_gemm(x.data_ptr(), x.stride(0), panels.data_ptr(),
                                          None if bias is None else bias.data_ptr(), out.data_ptr(), rows,

@@ -45,8 +45,10 @@ def _probe(lib) -> str | None:
     # 8: one vector; 17: a scalar tail; 576: groups of 4 vectors plus a remainder;
     # 8221, 16573: cascade levels carried (>= 256 groups) and every kind of tail; 12 x 4096: threads.
     for rows, n in ((1, 8), (3, 17), (5, 576), (2, 8221), (1, 16573), (12, 4096)):
-        x = torch.randn(rows, n, generator=gen) * 7.0
-        weight = torch.randn(n, generator=gen)
+        # float32 on the CPU whatever torch's defaults (a float64 default once failed this probe and
+        # kept torch's norm for the whole process).
+        x = torch.randn(rows, n, generator=gen, dtype=torch.float32, device="cpu") * 7.0
+        weight = torch.randn(n, generator=gen, dtype=torch.float32, device="cpu")
         expected = torch.rms_norm(x, (n,), weight, 1e-6)
         got = torch.empty_like(x)
         lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), got.data_ptr(), rows, n, 1e-6, torch.get_num_threads())

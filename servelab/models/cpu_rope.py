@@ -60,7 +60,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """:func:`rope` unchecked (``rotate``'s hot path, after :func:`usable`)."""
     tokens, heads, head_size = x.shape
-    out = torch.empty(tokens, heads, head_size, dtype=torch.float32)
+    out = torch.empty(tokens, heads, head_size, dtype=torch.float32, device="cpu")
     _library.lib.servelab_rope(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
                                tokens, heads, head_size, torch.get_num_threads())
     return out

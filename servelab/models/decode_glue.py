@@ -128,6 +128,11 @@ def _panels(linear: Linear) -> tuple[int, int]:
     return linear._packed_weight().get_panels(p["weight"]).data_ptr(), 0 if bias is None else bias.data_ptr()
 
 
+def _new(*shape: int) -> torch.Tensor:
+    """A float32 CPU buffer for a C kernel's output (never torch's default dtype or device)."""
+    return torch.empty(shape, dtype=torch.float32, device="cpu")
+
+
 def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
             kv_cache: tuple[torch.Tensor, torch.Tensor], step_attention: Any) -> torch.Tensor:
     """The layer on ``x`` float32 ``[rows, hidden]`` -> a new ``[rows, hidden]``, writing this step's
@@ -140,9 +145,7 @@ def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: tor
     rows, hidden = x.shape
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv_size = attn.q_size + 2 * attn.kv_size
-    normed = torch.empty(rows, hidden)
-    qkv = torch.empty(rows, qkv_size)
-    qk = torch.empty(rows, heads + kv_heads, head_dim)
+    normed, qkv, qk = _new(rows, hidden), _new(rows, qkv_size), _new(rows, heads + kv_heads, head_dim)
     panels, bias = _panels(glue.qkv)
     lib.servelab_glue_qkv(x.data_ptr(), glue.input_norm.weight.data_ptr(), glue.input_norm.eps,
                           normed.data_ptr(), panels, bias or None, qkv.data_ptr(), qk.data_ptr(), cos.data_ptr(),
@@ -151,7 +154,7 @@ def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: tor
     out = attn.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, step_attention).reshape(rows, attn.q_size)
     if out.stride(1) != 1:
         out = out.contiguous()
-    h, gate_up = torch.empty(rows, hidden), torch.empty(rows, 2 * glue.intermediate)
+    h, gate_up = _new(rows, hidden), _new(rows, 2 * glue.intermediate)
     o_panels, o_bias = _panels(glue.o)
     gu_panels, gu_bias = _panels(glue.gate_up)
     lib.servelab_glue_out(out.data_ptr(), out.stride(0), o_panels, o_bias or None, x.data_ptr(), h.data_ptr(),
@@ -159,7 +162,7 @@ def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: tor
                           gu_panels, gu_bias or None, gate_up.data_ptr(), rows, attn.q_size, hidden,
                           2 * glue.intermediate, threads)
     F.silu(gate_up[:, : glue.intermediate], inplace=True)
-    y = torch.empty(rows, hidden)
+    y = _new(rows, hidden)
     down_panels, down_bias = _panels(glue.down)
     lib.servelab_glue_down(gate_up.data_ptr(), glue.intermediate, down_panels, down_bias or None, h.data_ptr(),
                            y.data_ptr(), rows, hidden, threads)

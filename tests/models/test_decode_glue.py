@@ -137,3 +137,20 @@ def test_a_hooked_module_is_called_in_a_pipeline(model, monkeypatch):
     _, _, calls = run(model, [[5, 6, 7], [9] * 12], 4, glue=True, monkeypatch=monkeypatch)
     assert seen == [15, 2, 2, 2]  # the prefill's 15 rows, then three decode steps of 2
     assert calls == 4  # layer 0 glued on every step (15 rows are few too), layer 1 never
+
+
+def test_a_changed_default_dtype_does_not_reach_the_c_buffers(kernel_library, monkeypatch):
+    """Under a float64 default dtype the glue still equals the modules: its output buffers are
+    float32 whatever the default (a float64 default once made them float64 buffers that the C
+    code filled with float32 values)."""
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+    prompts = [[5, 6, 7], [9] * 12]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        glued, _, calls = run(tiny_model(), prompts, 3, glue=True, monkeypatch=monkeypatch)
+        plain, _, _ = run(tiny_model(), prompts, 3, glue=False, monkeypatch=monkeypatch)
+    finally:
+        torch.set_default_dtype(previous)
+    assert calls == 3 * 2 and len(glued) == len(plain) == 3  # both layers, every step (few rows)
+    assert all(torch.equal(a, b) for a, b in zip(glued, plain))
