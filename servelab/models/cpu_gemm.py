@@ -111,7 +111,7 @@ def preferred() -> bool:
 def usable(x: torch.Tensor) -> bool:
     """Whether :func:`gemm` handles the input ``x``: a float32 CPU ``[rows, K]`` with ``K``
     contiguous, autograd not recording, and the kernel library built."""
-    return (x.dtype is torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+    return (x.dtype is torch.float32 and x.dim() == 2 and x.is_cpu  # is_cpu: no device object (hot path)
             and (x.stride(1) == 1 or x.shape[1] <= 1)  # a dimension of size 0 or 1 has no meaningful stride
             and not (torch.is_grad_enabled() and x.requires_grad) and _library() is not None)
 

@@ -87,8 +87,7 @@ def reset() -> None:
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` handles ``x`` ``[..., n]`` and ``weight`` ``[n]``: float32 CPU
     tensors, both contiguous, ``n >= 8``, autograd not recording, and the kernel available."""
-    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and x.shape[-1] >= MIN_HIDDEN and weight.shape == x.shape[-1:]
+    return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu and x.shape[-1] >= MIN_HIDDEN and weight.shape == x.shape[-1:]
             and x.is_contiguous() and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and (_lib is not None or (not _checked and available())))

@@ -23,22 +23,26 @@ from servelab.attention import cpu_decode
 _library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
 
 
+def tables_usable(cos: torch.Tensor, signed_sin: torch.Tensor, tokens: int, head_size: int) -> bool:
+    """Whether :func:`rope` reads these tables: float32 CPU ``[tokens, 1, head_size]`` views of
+    contiguous ``[tokens, head_size]``, autograd not recording them (also asked by
+    :mod:`servelab.models.decode_glue`, before the rotated ``x`` exists)."""
+    table = (tokens, 1, head_size)
+    return all(t.dtype is torch.float32 and t.is_cpu and t.shape == table and t.stride(0) == head_size
+               and t.stride(2) == 1 and not (torch.is_grad_enabled() and t.requires_grad)
+               for t in (cos, signed_sin))
+
+
 def usable(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
     """Whether :func:`rope` handles these: float32 CPU tensors, ``x`` ``[T, heads, D]`` with heads
     and dimensions contiguous, ``cos``/``signed_sin`` ``[T, 1, D]`` views of contiguous ``[T, D]``,
     ``D`` even, autograd not recording, and the kernel library built."""
-    if x.dtype is not torch.float32 or cos.dtype is not torch.float32 or signed_sin.dtype is not torch.float32:
-        return False
-    if x.dim() != 3 or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or x.dim() != 3 or not x.is_cpu:
         return False
     tokens, heads, head_size = x.shape
-    table = (tokens, 1, head_size)
     return (head_size % 2 == 0 and x.stride(2) == 1 and x.stride(1) == head_size
-            and cos.shape == table and signed_sin.shape == table
-            and cos.stride(0) == head_size and cos.stride(2) == 1
-            and signed_sin.stride(0) == head_size and signed_sin.stride(2) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or signed_sin.requires_grad))
-            and _library() is not None)
+            and tables_usable(cos, signed_sin, tokens, head_size)
+            and not (torch.is_grad_enabled() and x.requires_grad) and _library() is not None)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

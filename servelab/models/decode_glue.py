@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
 
 from servelab.attention import cpu_decode
-from servelab.models import cpu_gemm, cpu_norm
+from servelab.models import cpu_gemm, cpu_norm, cpu_rope
 from servelab.models.layers import RMSNorm, SwiGLUMLP
-from servelab.models.linear import Linear
+from servelab.models.linear import Linear, weight_panels
 
 _library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -53,11 +53,8 @@ class GlueParts(NamedTuple):
 
     attention: Any  # the layer's LlamaAttention (sizes, scale, window; its attend())
     input_norm: RMSNorm
-    qkv: Linear
-    o: Linear
     post_norm: RMSNorm
-    gate_up: Linear
-    down: Linear
+    gemms: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]  # (panels, bias): QKV, O, gate_up, down
     intermediate: int
 
 
@@ -67,18 +64,22 @@ def _no_global_hooks() -> bool:
                 or m._global_backward_pre_hooks)
 
 
-def parts(layer: torch.nn.Module, x: torch.Tensor, attention_type: Any) -> GlueParts | None:
-    """``layer``'s parts when its decode step can run glued on ``x`` ``[rows, hidden]``, else ``None``.
+def parts(layer: torch.nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+          attention_type: Any) -> GlueParts | None:
+    """``layer``'s parts when its decode step can run glued on ``x`` ``[rows, hidden]`` with the step's
+    RoPE ``tables`` (``_StepAttention.rope_tables``), else ``None``.
 
     ``attention_type``: the attention class the glue knows (the caller's, ``LlamaAttention``).
-    The conditions are the module docstring's; each is a cheap query (dict lookups, no
-    module ``__getattr__``): this runs once per layer and step.
+    Each kernel's conditions are asked of its own module (``cpu_gemm.usable``,
+    ``linear.weight_panels``, ``cpu_norm.usable``, ``cpu_rope.tables_usable``); the rest are the
+    module docstring's, in cheap queries (dict lookups, no module ``__getattr__``): this runs once
+    per layer and step.
     """
-    if not (x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and 0 < x.shape[0] <= cpu_gemm.MAX_ROWS
-            and x.is_contiguous() and not torch.is_grad_enabled()):
+    if not (0 < x.shape[0] <= cpu_gemm.MAX_ROWS and x.is_contiguous() and cpu_gemm.usable(x)
+            and not torch.is_grad_enabled()):
         return None
-    if (_library() is None or not cpu_gemm.preferred() or not cpu_norm.available() or not _no_global_hooks()
-            or torch._C._get_tracing_state() or torch.compiler.is_compiling()):
+    if (_library() is None or not _no_global_hooks() or torch._C._get_tracing_state()
+            or torch.compiler.is_compiling()):
         return None
     m: dict[str, Any] = layer._modules  # dict lookups: a module's __getattr__ costs ~0.5 us each
     attn: Any = m.get("self_attn")
@@ -87,45 +88,30 @@ def parts(layer: torch.nn.Module, x: torch.Tensor, attention_type: Any) -> GlueP
     if (type(attn) is not attention_type or type(mlp) is not SwiGLUMLP or type(n1) is not RMSNorm
             or type(n2) is not RMSNorm):
         return None
-    qkv, o = attn._modules.get("qkv_proj"), attn._modules.get("o_proj")
-    gate_up: Any = mlp._modules.get("gate_up_proj")
-    down: Any = mlp._modules.get("down_proj")
-    linears = (qkv, o, gate_up, down)
-    if not all(type(lin) is Linear and lin.pack_weights and _fits(lin) for lin in linears):
+    linears: tuple[Any, ...] = (attn._modules.get("qkv_proj"), attn._modules.get("o_proj"),
+                                mlp._modules.get("gate_up_proj"), mlp._modules.get("down_proj"))
+    if (not all(type(lin) is Linear and lin.pack_weights for lin in linears)
+            or not all(cpu_norm.usable(x, _weight(n)) for n in (n1, n2))  # h has x's shape
+            or not cpu_rope.tables_usable(*tables, x.shape[0], attn.head_dim) or attn.head_dim % 2
+            or any(getattr(mod, hooks) for mod in (layer, attn, mlp, n1, n2, *linears) for hooks in _HOOKS)):
         return None
-    if not all(_norm_fits(n, x.shape[1]) for n in (n1, n2)) or attn.head_dim % 2:
-        return None
-    if any(getattr(mod, hooks) for mod in (layer, attn, mlp, n1, n2, *linears) for hooks in _HOOKS):
-        return None
-    return GlueParts(attn, n1, qkv, o, n2, gate_up, down, mlp.intermediate_size)
+    gemms = []
+    for lin in linears:
+        weight, bias = _weight(lin), lin._parameters.get("bias")
+        panels = weight_panels(weight, bias, lin._packed_weight())
+        if panels is None:
+            return None
+        gemms.append((panels, bias))
+    return GlueParts(attn, n1, n2, tuple(gemms), mlp.intermediate_size)
 
 
-def tables_fit(cos: torch.Tensor, signed_sin: torch.Tensor, rows: int, head_dim: int) -> bool:
-    """Whether the step's RoPE tables are what ``servelab_rope`` reads: float32 ``[rows, 1, head_dim]``
-    views of contiguous ``[rows, head_dim]`` (as :func:`servelab.models.cpu_rope.usable` asks)."""
-    table = (rows, 1, head_dim)
-    return all(t.dtype is torch.float32 and t.is_cpu and t.shape == table and t.stride(0) == head_dim
-               and t.stride(2) == 1 for t in (cos, signed_sin))
+def _weight(module: torch.nn.Module) -> Any:
+    return module._parameters["weight"]  # the parameter dict: no module __getattr__ on the hot path
 
 
-def _fits(linear: Linear) -> bool:
-    p: dict[str, Any] = linear._parameters
-    weight, bias = p["weight"], p.get("bias")
-    return (weight is not None and weight.dtype is torch.float32 and weight.is_cpu
-            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous())))
-
-
-def _norm_fits(norm: RMSNorm, hidden: int) -> bool:
-    weight: Any = norm._parameters["weight"]
-    return (weight is not None and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()
-            and weight.shape[0] == hidden and hidden >= cpu_norm.MIN_HIDDEN)
-
-
-def _panels(linear: Linear) -> tuple[int, int]:
-    """(panels pointer, bias pointer or 0) of a :class:`Linear` (its panels made on first use)."""
-    p: dict[str, Any] = linear._parameters
-    bias = p.get("bias")
-    return linear._packed_weight().get_panels(p["weight"]).data_ptr(), 0 if bias is None else bias.data_ptr()
+def _pointers(gemm: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[int, int | None]:
+    panels, bias = gemm
+    return panels.data_ptr(), None if bias is None else bias.data_ptr()
 
 
 def _new(*shape: int) -> torch.Tensor:
@@ -146,24 +132,21 @@ def forward(glue: GlueParts, x: torch.Tensor, cos: torch.Tensor, signed_sin: tor
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv_size = attn.q_size + 2 * attn.kv_size
     normed, qkv, qk = _new(rows, hidden), _new(rows, qkv_size), _new(rows, heads + kv_heads, head_dim)
-    panels, bias = _panels(glue.qkv)
+    (panels, bias), (o_panels, o_bias), (gu_panels, gu_bias), (down_panels, down_bias) = map(_pointers, glue.gemms)
     lib.servelab_glue_qkv(x.data_ptr(), glue.input_norm.weight.data_ptr(), glue.input_norm.eps,
-                          normed.data_ptr(), panels, bias or None, qkv.data_ptr(), qk.data_ptr(), cos.data_ptr(),
+                          normed.data_ptr(), panels, bias, qkv.data_ptr(), qk.data_ptr(), cos.data_ptr(),
                           signed_sin.data_ptr(), rows, hidden, qkv_size, heads + kv_heads, head_dim, threads)
     v = qkv[:, attn.q_size + attn.kv_size:].view(rows, kv_heads, head_dim)
     out = attn.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, step_attention).reshape(rows, attn.q_size)
     if out.stride(1) != 1:
         out = out.contiguous()
     h, gate_up = _new(rows, hidden), _new(rows, 2 * glue.intermediate)
-    o_panels, o_bias = _panels(glue.o)
-    gu_panels, gu_bias = _panels(glue.gate_up)
-    lib.servelab_glue_out(out.data_ptr(), out.stride(0), o_panels, o_bias or None, x.data_ptr(), h.data_ptr(),
+    lib.servelab_glue_out(out.data_ptr(), out.stride(0), o_panels, o_bias, x.data_ptr(), h.data_ptr(),
                           glue.post_norm.weight.data_ptr(), glue.post_norm.eps, normed.data_ptr(),
-                          gu_panels, gu_bias or None, gate_up.data_ptr(), rows, attn.q_size, hidden,
+                          gu_panels, gu_bias, gate_up.data_ptr(), rows, attn.q_size, hidden,
                           2 * glue.intermediate, threads)
     F.silu(gate_up[:, : glue.intermediate], inplace=True)
     y = _new(rows, hidden)
-    down_panels, down_bias = _panels(glue.down)
-    lib.servelab_glue_down(gate_up.data_ptr(), glue.intermediate, down_panels, down_bias or None, h.data_ptr(),
+    lib.servelab_glue_down(gate_up.data_ptr(), glue.intermediate, down_panels, down_bias, h.data_ptr(),
                            y.data_ptr(), rows, hidden, threads)
     return y

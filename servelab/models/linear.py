@@ -174,18 +174,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _few_row_panels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     cache: PackedWeight) -> torch.Tensor | None:
     """``cache``'s panels of ``weight`` when the panel kernel takes this call (``x`` 2-D with at most
-    ``MAX_ROWS`` rows or a small weight, checked by the caller), else ``None``.
+    ``MAX_ROWS`` rows or a small weight, checked by the caller), else ``None``: ``x`` as
+    :func:`servelab.models.cpu_gemm.usable` asks, the weight and bias as :func:`weight_panels` does."""
+    return weight_panels(weight, bias, cache) if cpu_gemm.usable(x) else None
 
-    The conditions of the general route below (float32 CPU tensors, autograd not recording, a
-    contiguous bias) plus the kernel's own (``K`` contiguous in ``x``, a preferred build), written
-    in the cheapest tensor queries (``is_cpu`` builds no device object): this runs for every
-    linear layer of every decode step, where the checks cost as much as a small GEMM.
+
+def weight_panels(weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor | None:
+    """``cache``'s panels of ``weight`` ``[out, in]`` (made on first use) when the panel kernel can
+    take this weight and ``bias``, else ``None``: float32 CPU tensors that autograd does not record,
+    a contiguous bias, and a build where the kernel is preferred. The conditions of the general
+    route in :func:`linear`, in the cheapest tensor queries (``is_cpu`` builds no device object):
+    this runs for every linear layer of every decode step (and for every glued layer's four GEMMs,
+    :mod:`servelab.models.decode_glue`), where the checks cost as much as a small GEMM.
     """
-    if not (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu
-            and (x.stride(1) == 1 or x.shape[1] <= 1) and cpu_gemm.preferred()):
+    if not (weight.dtype is torch.float32 and weight.is_cpu and cpu_gemm.preferred()):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
         return None
     if bias is not None and not (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()):
         return None

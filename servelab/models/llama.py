@@ -227,10 +227,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
     def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
-        glue = None if torch.is_grad_enabled() else decode_glue.parts(self, x, LlamaAttention)
-        if glue is not None:  # a decode step on a CPU: the same kernels, three C calls (models/decode_glue.py)
-            tables = attention.rope_tables(cos, sin)
-            if decode_glue.tables_fit(*tables, x.shape[0], glue.attention.head_dim):
+        if not torch.is_grad_enabled():  # a decode step on a CPU: the same kernels, three C calls
+            tables = attention.rope_tables(cos, sin)  # (models/decode_glue.py); built once per step
+            glue = decode_glue.parts(self, x, tables, LlamaAttention)
+            if glue is not None:
                 return decode_glue.forward(glue, x, *tables, kv_cache, attention)
         # Unfused residual adds (not vLLM's fused add+norm) so that bf16 rounds
         # exactly as HF does.

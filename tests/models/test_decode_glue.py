@@ -81,6 +81,11 @@ def decode_rows(model, rows: int = 2) -> torch.Tensor:
     return torch.randn(rows, model.config.hidden_size)
 
 
+def rope_tables(model, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's RoPE tables as ``_StepAttention.rope_tables`` makes them: ``[rows, 1, D]`` views."""
+    return tuple(torch.randn(rows, model.config.head_dim)[:, None, :] for _ in range(2))
+
+
 @pytest.fixture
 def model(kernel_library, monkeypatch):
     monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
@@ -89,14 +94,17 @@ def model(kernel_library, monkeypatch):
 
 def test_a_plain_layer_is_glued(model):
     with torch.inference_mode():
-        assert decode_glue.parts(model.model.layers[0], decode_rows(model), LlamaAttention) is not None
+        assert decode_glue.parts(model.model.layers[0], decode_rows(model), rope_tables(model, 2),
+                                 LlamaAttention) is not None
 
 
 @pytest.mark.parametrize("case", ["grad", "many_rows", "float64", "no_packing", "not_preferred", "no_library",
-                                  "tracing", "module_hook", "global_hook", "swapped_mlp", "odd_rows_layout"])
+                                  "tracing", "module_hook", "global_hook", "swapped_mlp", "odd_rows_layout",
+                                  "strided_tables"])
 def test_every_other_case_keeps_the_modules(model, monkeypatch, case):
     """Each condition of decode_glue.parts refuses on its own (the others holding)."""
     layer, x = model.model.layers[0], decode_rows(model)
+    tables = None
     handles = []
     if case == "many_rows":
         x = decode_rows(model, cpu_gemm.MAX_ROWS + 1)
@@ -120,11 +128,13 @@ def test_every_other_case_keeps_the_modules(model, monkeypatch, case):
 
         mine = MyMLP(model.config.hidden_size, model.config.intermediate_size, False)
         layer.mlp = mine
+    elif case == "strided_tables":  # RoPE tables that are not views of contiguous [rows, D]
+        tables = tuple(torch.randn(2, 2 * model.config.head_dim)[:, None, ::2] for _ in range(2))
     elif case == "odd_rows_layout":
         x = torch.randn(model.config.hidden_size, 2).t()  # rows not contiguous
     try:
         with torch.inference_mode(case != "grad"):
-            assert decode_glue.parts(layer, x, LlamaAttention) is None
+            assert decode_glue.parts(layer, x, tables or rope_tables(model, x.shape[0]), LlamaAttention) is None
     finally:
         for handle in handles:
             handle.remove()
