@@ -3,7 +3,8 @@
 (``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`), RoPE (``csrc/rope.c``,
 :mod:`servelab.models.cpu_rope`), the few-row GEMM (``csrc/panel_gemm.c``,
 :mod:`servelab.models.cpu_gemm`) and a decoder layer's glue on a decode step
-(``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`).
+(``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`), and greedy decoding's
+argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -54,7 +55,7 @@ from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
-                                               "decode_glue.c"))
+                                               "decode_glue.c", "argmax.c"))
 ABI_VERSION = 12
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -227,6 +228,12 @@ lib.servelab_glue_out(qkv, 3 * d, half(hidden, 2 * d), None, x, h, ones(hidden),
 assert h[0] == 0.5 * 8.0 * 2 * d + 1.0 and gu[7] == 8.0, (h[0], gu[7])  # attn = qkv: 8.0 everywhere
 lib.servelab_glue_down(gu, 4, half(hidden, 4), None, h, y, rows, hidden, 2)
 assert y[rows * hidden - 1] == 0.5 * 4 * 64.0 + h[0], y[rows * hidden - 1]
+lib.servelab_argmax_rows.argtypes = [P, I, I, I, P, I]
+x = (ctypes.c_float * 60)(*[float(i % 7) for i in range(60)])  # rows of 20: maxima 6.0 first at 6 and 0
+x[45] = float("nan")  # the third row holds a NaN: not finite
+out = (ctypes.c_int64 * 3)()
+lib.servelab_argmax_rows(x, 20, 3, 20, out, 2)
+assert list(out) == [6, 0, -1], list(out)
 print("ok")
 """
 
@@ -275,7 +282,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_glue_qkv.argtypes = [p, p, f, p, p, p, p, p, p, p, i, i, i, i, i, i]
     lib.servelab_glue_out.argtypes = [p, i, p, p, p, p, p, f, p, p, p, p, i, i, i, i, i]
     lib.servelab_glue_down.argtypes = [p, i, p, p, p, p, i, i, i]
-    for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down"):
+    lib.servelab_argmax_rows.argtypes = [p, i, i, i, p, i]
+    for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down", "servelab_argmax_rows"):
         getattr(lib, name).restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
