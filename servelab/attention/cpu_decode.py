@@ -101,6 +101,9 @@ class LibraryOnce:
         return self.lib
 
 
+_once = LibraryOnce()  # attend_rows' library: looked up once
+
+
 def _library():
     global _warned
     try:
@@ -193,6 +196,24 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
                                          lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
                                          group, head_size, tiles.shape[1] * LANES, width, scale,
                                          torch.get_num_threads(), *rows)
+    return out
+
+
+def attend_rows(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int,
+                cap: int, width: int, scale: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """:func:`attend` with its ``append`` from contiguous paged caches ``[N, B, Hk, D]`` (their rows
+    are the flattened caches') and the buffers' ``cap`` given, so no view is built: a carried
+    decode step's per-layer call (:meth:`DecodeKV.attend <servelab.attention.decode_kv.DecodeKV.attend>`).
+    Unchecked, as :func:`attend`. Returns float32 ``[rows * kv_per_row, G, D]``."""
+    rows, num_heads, head_size = q.shape
+    heads, group = rows * kv_per_row, num_heads // kv_per_row
+    scores = torch.empty(heads, group, width, dtype=torch.float32, device="cpu")  # workspace
+    out = torch.empty(heads, group, head_size, dtype=torch.float32, device="cpu")
+    _once().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
+                                           lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
+                                           group, head_size, cap, width, scale, torch.get_num_threads(),
+                                           key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr())
     return out
 
 

@@ -78,9 +78,11 @@ row has ``cap`` positions). A step whose padded size exceeds
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from servelab.attention import cpu_decode
+from servelab.attention import cpu_decode, decode_buffers
+from servelab.attention.buckets import LengthBuckets
 from servelab.attention.cpu_decode import tiled_index
 
 MAX_PADDING = 4.0
@@ -129,9 +131,9 @@ class DecodeKV:
     - ``table`` int64 ``[n, nb]``, ``lens`` int64 ``[n]``: the step's
       block-table columns that hold its contexts (a copy: the caller's buffer
       may be reused) and its context lengths including this step's token, in
-      the step's row order;
-    - ``order`` int64 ``[n]`` (``None`` when already sorted): buffer row ``j``
-      holds step row ``order[j]``; ``buckets``: ``(start, stop)`` buffer-row ranges;
+      the step's row order (also as numpy, ``table_host`` / ``lens_host``, for the next plan);
+    - ``order`` int64 ``[n]`` (``None`` when already sorted; ``order_host`` the list): buffer
+      row ``j`` holds step row ``order[j]``; ``bucketing``: the buffer-row ranges, cut on first use;
     - ``new_slots`` int64 ``[n]``: per buffer row, the cache slot of position ``len - 1``;
     - ``buffers``: per layer, keyed by ``(key_cache.data_ptr(),
       value_cache.data_ptr(), dtype)``, ``(k, v, kernel)``: for the C kernel
@@ -148,10 +150,14 @@ class DecodeKV:
       start, one gather per layer.
     """
 
-    def __init__(self, table: torch.Tensor, lens: torch.Tensor, block_size: int, cap: int, buffers: dict,
-                 extends: bool, order: torch.Tensor | None, buckets: list[tuple[int, int]],
+    def __init__(self, table: np.ndarray, lens: np.ndarray, block_size: int, cap: int, buffers: dict,
+                 extends: bool, order: list[int] | None, bucketing: LengthBuckets, device: torch.device,
                  grow_from: dict | None = None, compact_from: tuple[dict, list[int]] | None = None) -> None:
-        self.table, self.lens, self.block_size, self.cap = table, lens, block_size, cap
+        # Planned on the host: ``table`` / ``lens`` int64 numpy (what the next step's plan compares;
+        # a torch op on a few dozen integers costs ~5 us of dispatch, and the ~20 of a carried
+        # step's plan took ~120 us of a tiny model's ~2 ms step), each index tensor then made once.
+        self.table_host, self.lens_host, self.order_host = table, lens, order
+        self.block_size, self.cap = block_size, cap
         # The last step's buffers when these rows outgrew them (``grown``): each layer's new
         # buffers start as a copy of its old ones (every position but the newest), not as a
         # gather from the paged cache. A copy of the dict, emptied layer by layer.
@@ -162,24 +168,30 @@ class DecodeKV:
         self.compacted = compact_from is not None
         self._compact_from, self._kept = (dict(compact_from[0]), compact_from[1]) if compact_from else ({}, [])
         self.joined = self.compacted and len(self._kept) < lens.shape[0]
-        self.order, self.buckets = order, buckets
-        self.inverse = None if order is None else torch.argsort(order)
-        self.row_table = table if order is None else table.index_select(0, order)
+        self.bucketing = bucketing  # shared by the steps that carry these rows
+        rows, row_lens = (table, lens) if order is None else (table[order], lens[order])
         # Ascending within each bucket (a bucket's last row is its longest).
-        self.row_lens = (lens if order is None else lens.index_select(0, order)).contiguous()
-        self.row_lens_host = self.row_lens.tolist()
+        self.row_lens_host = row_lens.tolist()
         # Positions each kept buffer row holds before this step's append (compacted steps).
         self._kept_lens = [length - 1 for length in self.row_lens_host[:len(self._kept)]]
         self.max_len = max(self.row_lens_host)
-        last = self.row_lens - 1
-        self.new_slots = self.row_table.gather(1, (last // block_size)[:, None])[:, 0] * block_size \
-            + last % block_size
+        last = row_lens - 1
+        new_slots = rows[np.arange(last.shape[0]), last // block_size] * block_size + last % block_size
+        self._slot_range = (int(new_slots.min()), int(new_slots.max()))
+        self.table, self.lens, self.row_table, self.row_lens, self.new_slots = (
+            on_device(a, device) for a in (table, lens, rows, row_lens, new_slots))
+        self.order = None if order is None else on_device(np.asarray(order, dtype=np.int64), device)
+        self.inverse = None if order is None else on_device(np.argsort(order).astype(np.int64), device)
         self.buffers, self.extends = buffers, extends
         self.bytes = sum(k.numel() * k.element_size() * 2 for k, _, _ in buffers.values())
         self._masks: dict[tuple, torch.Tensor] = {}
         self._append_index: dict[tuple, tuple] = {}
         self._head_slots: dict[int, torch.Tensor] = {}
-        self._slot_range: tuple[int, int] | None = None
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` buffer-row ranges, ascending lengths within each (cut on first use)."""
+        return self.bucketing.ranges
 
     # ---- per step (shared by every layer) -------------------------------------------------
 
@@ -251,6 +263,10 @@ class DecodeKV:
         this layer cannot be carried (a cache that is not a flattenable view,
         or the byte budget): the caller then takes the gather path.
         """
+        if self.extends and compute is torch.float32:
+            out = self._extend_in_kernel(query, key_cache, value_cache, scale)
+            if out is not None:
+                return out
         block_size = key_cache.shape[1]
         for cache in (key_cache, value_cache):
             if cache.shape[0] > 1 and cache.stride(0) != block_size * cache.stride(1):
@@ -267,9 +283,9 @@ class DecodeKV:
         if self.extends:
             buffers = self.buffers.get(layer)
         elif self.compacted:
-            buffers = self._compact(layer, flat_k, flat_v, compute, group)
+            buffers = decode_buffers.compacted(self, layer, flat_k, flat_v, compute, group)
         else:
-            buffers = self._grow(layer, flat_k, compute, group)
+            buffers = decode_buffers.grown(self, layer, flat_k, compute, group, BUDGET_BYTES)
         append = None  # the kernel's own append: (paged K, paged V, the new rows' slots)
         if buffers is None:
             buffers = self._gather(flat_k, flat_v, compute, group)
@@ -290,6 +306,31 @@ class DecodeKV:
         out = out.reshape(n, num_heads, head_size)  # the torch path's is transposed: a copy
         return out if self.inverse is None else out.index_select(0, self.inverse)
 
+    def _extend_in_kernel(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          scale: float) -> torch.Tensor | None:
+        """:meth:`attend`'s common call, in short: an extending step's layer whose carried buffers are
+        the C kernel's, float32 queries (heads and dimensions contiguous) and contiguous float32
+        caches holding every new slot, so the kernel appends the new rows itself. The same kernel
+        call as the general path, without its views and re-derived sizes (~40 us of a layer's
+        ~90 us of Python in a SmolLM2 batch-16 step). ``None``: take the general path."""
+        buffers = self.buffers.get((key_cache.data_ptr(), value_cache.data_ptr(), torch.float32))
+        if (buffers is None or not buffers[2] or query.dtype is not torch.float32 or not query.is_cpu
+                or key_cache.dtype is not torch.float32 or value_cache.dtype is not torch.float32
+                or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+                or key_cache.shape != value_cache.shape or key_cache.shape[3] != query.shape[2] or query.stride(2) != 1
+                or query.stride(1) != query.shape[2]):
+            return None
+        low, high = self._slot_range
+        if low < 0 or high >= key_cache.shape[0] * key_cache.shape[1]:
+            return None
+        n, num_heads, head_size = query.shape
+        num_kv_heads = key_cache.shape[2]
+        q = query if self.order is None else query.index_select(0, self.order)
+        out = cpu_decode.attend_rows(q, buffers[0], buffers[1], self.row_lens, num_kv_heads, self.cap,
+                                     self.max_len, scale, key_cache, value_cache, self.new_slots)
+        out = out.view(n, num_heads, head_size)
+        return out if self.inverse is None else out.index_select(0, self.inverse)
+
     def _append(self, flat_k: torch.Tensor, flat_v: torch.Tensor, buffers: tuple, compute: torch.dtype) -> None:
         """Copy every row's newest position (``len - 1``) from the flattened caches
         ``[N * B, Hk, D]`` into the layer's buffers with a gather and a scatter per buffer (the
@@ -308,8 +349,6 @@ class DecodeKV:
         """Whether the C kernel may copy the new rows straight from these caches (its ``append``
         argument) while it attends: float32,
         contiguous, every new slot inside them (checked once per step: the C side trusts it)."""
-        if self._slot_range is None:
-            self._slot_range = (int(self.new_slots.min()), int(self.new_slots.max()))
         low, high = self._slot_range
         return (flat_k.dtype == compute and flat_v.dtype == compute and flat_k.is_contiguous()
                 and flat_v.is_contiguous() and low >= 0 and high < min(flat_k.shape[0], flat_v.shape[0]))
@@ -342,79 +381,6 @@ class DecodeKV:
             # out^T = V^T @ P^T: [D, len] @ [len, G] per head
             torch.bmm(values[a:b, :, :length], torch.softmax(scores, dim=-1).transpose(1, 2), out=out[a:b])
         return out.transpose(1, 2)
-
-    @staticmethod
-    def _old_layer(previous: dict, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
-                   group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """The last step's buffers of ``layer``, taken out of ``previous`` (the step lets go of
-        them), if this step would build them in the same layout and dtype; else ``None``."""
-        old = previous.pop(layer, None)
-        if old is None or old[2] != cpu_decode.supports(compute, flat_k.shape[2], group, flat_k.device) \
-                or old[0].dtype != compute:
-            return None
-        return old
-
-    def _grow(self, layer: tuple, flat_k: torch.Tensor, compute: torch.dtype,
-              group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """The layer's buffers at this step's larger ``cap``, copied from its old ones (which
-        hold every position but each row's newest, in the same buffer rows); past the old
-        ``cap``, zeros (finite, never read unmasked). ``None`` when this is not a regrowth,
-        the old layer is missing or in the other layout, or the budget would be exceeded."""
-        old = self._old_layer(self._grow_from, layer, flat_k, compute, group)
-        if old is None:
-            return None
-        old_k, old_v, kernel = old
-        num_kv_heads, head_size = flat_k.shape[1:]
-        size = self.lens.shape[0] * num_kv_heads * self.cap * head_size  # elements per new buffer
-        element = torch.empty((), dtype=compute).element_size()
-        if self.bytes + 2 * size * element > BUDGET_BYTES:
-            return None
-        self.bytes += 2 * size * element
-        # The axis that counts positions: K tiles [n*Hk, cap/16, D, 16] and V [n, Hk, cap, D]
-        # for the kernel; K [n, Hk, cap, D] and V [n, Hk, D, cap] for the torch formulation.
-        if kernel:
-            return _widened(old_k, 1, self.cap // cpu_decode.LANES), _widened(old_v, 2, self.cap), True
-        return _widened(old_k, 2, self.cap), _widened(old_v, 3, self.cap), False
-
-    def _compact(self, layer: tuple, flat_k: torch.Tensor, flat_v: torch.Tensor, compute: torch.dtype,
-                 group: int) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
-        """The layer's last buffers reused in place: kept buffer row ``j`` moves down from old
-        row ``self._kept[j]`` (increasing, so a move never overwrites a row still to move), the
-        joining rows are gathered into the rows after them, and the buffers are views of the
-        storage's first ``n`` rows (no allocation, so no fresh page to fault in). Only a row's
-        held positions move (``len - 1``, whole tiles for the kernel's K): what lies past them
-        in the destination row is an older row's data, finite, and never read unmasked.
-        ``None`` when the old layer is missing or in the other layout, or rows join and its
-        storage has no room for them (or the caches cannot be gathered by rows)."""
-        old = self._old_layer(self._compact_from, layer, flat_k, compute, group)
-        if old is None:
-            return None
-        old_k, old_v, kernel = old
-        # Buffer rows are outermost in every layout; positions are dimension 2 (the kernel's K
-        # viewed as [rows, Hk, cap/16, D * 16]: tiles of 16), or the last (the torch V).
-        old_rows, n = old_v.shape[0], self.lens.shape[0]
-        k_rows = old_k.shape[0] // old_rows * n  # the kernel's K has Hk rows per buffer row
-        if self.joined and (_storage_rows(old_v) < n or _storage_rows(old_k) < k_rows
-                            or not (flat_k.is_contiguous() and flat_v.is_contiguous())):
-            return None
-        if kernel:
-            keys, tile = old_k.view(old_rows, -1, old_k.shape[1], old_k.shape[2] * old_k.shape[3]), cpu_decode.LANES
-        else:
-            keys, tile = old_k, 1
-        for row, (source, held) in enumerate(zip(self._kept, self._kept_lens)):
-            if source != row:
-                keys[row, :, : -(-held // tile)].copy_(keys[source, :, : -(-held // tile)])
-                if kernel:
-                    old_v[row, :, :held].copy_(old_v[source, :, :held])
-                else:
-                    old_v[row, ..., :held].copy_(old_v[source, ..., :held])
-        # The storage stays whole: count all of it against the budget.
-        self.bytes += old_k.untyped_storage().nbytes() + old_v.untyped_storage().nbytes()
-        dense_k = old_k.as_strided((k_rows, *old_k.shape[1:]), old_k.stride())
-        dense_v = old_v.as_strided((n, *old_v.shape[1:]), old_v.stride())
-        if self.joined:
-            self._gather_rows(flat_k, flat_v, dense_k, dense_v, kernel, len(self._kept), compute)
-        return dense_k, dense_v, kernel
 
     def _gather_rows(self, flat_k: torch.Tensor, flat_v: torch.Tensor, dense_k: torch.Tensor, dense_v: torch.Tensor,
                      kernel: bool, start: int, compute: torch.dtype) -> None:
@@ -480,18 +446,7 @@ class DecodeKV:
         return dense_k, dense_v, kernel
 
 
-def _storage_rows(buffer: torch.Tensor) -> int:
-    """How many rows (``buffer[0]``'s size) ``buffer``'s storage holds from its first row on."""
-    row_bytes = buffer[0].numel() * buffer.element_size()
-    return (buffer.untyped_storage().nbytes() - buffer.storage_offset() * buffer.element_size()) // row_bytes
-
-
-def _widened(old: torch.Tensor, axis: int, size: int) -> torch.Tensor:
-    """A copy of ``old`` with dimension ``axis`` lengthened to ``size``: the old entries
-    first, zeros after."""
-    shape = list(old.shape)
-    kept, shape[axis] = shape[axis], size
-    new = torch.empty(shape, dtype=old.dtype, device=old.device)
-    new.narrow(axis, 0, kept).copy_(old)
-    new.narrow(axis, kept, size - kept).zero_()
-    return new
+def on_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host-planned numpy array as a tensor on ``device`` (on a CPU, the same memory)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device)

@@ -24,14 +24,15 @@ held the old context is the same block in the same column, and its length is one
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from servelab.attention import buckets as bucketing
 from servelab.attention import decode_kv
+from servelab.attention.buckets import LengthBuckets
 from servelab.attention.decode_kv import DecodeKV
 
 
-def same_blocks(old_table: torch.Tensor, old_lens: torch.Tensor, table: torch.Tensor, block_size: int) -> bool:
+def same_blocks(old_table: np.ndarray, old_lens: np.ndarray, table: np.ndarray, block_size: int) -> bool:
     """Whether row ``i`` of ``table`` holds the blocks that held row ``i``'s old context
     (``old_lens[i]`` positions of ``old_table``), column for column. Only those columns
     count: a table's columns past a row's last block are stale or unset."""
@@ -39,29 +40,29 @@ def same_blocks(old_table: torch.Tensor, old_lens: torch.Tensor, table: torch.Te
     old_blocks = -(-old_lens // block_size)
     if int(old_blocks.max()) > held:
         return False  # an old context spans columns the new table lacks
-    used = torch.arange(held, device=table.device)[None, :] < old_blocks[:, None]
+    used = np.arange(held)[None, :] < old_blocks[:, None]
     return bool(((table[:, :held] == old_table[:, :held]) | ~used).all())
 
 
-def continues(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, block_size: int) -> bool:
+def continues(previous: DecodeKV, table: np.ndarray, lens: np.ndarray, block_size: int) -> bool:
     """Same rows as ``previous`` in the same order, each exactly one token
     longer (within its ``cap`` or not)."""
-    if (previous.block_size != block_size or previous.lens.shape != lens.shape
-            or not torch.equal(previous.lens + 1, lens)):
+    if (previous.block_size != block_size or previous.lens_host.shape != lens.shape
+            or not np.array_equal(previous.lens_host + 1, lens)):
         return False
-    return same_blocks(previous.table, previous.lens, table, block_size)
+    return same_blocks(previous.table_host, previous.lens_host, table, block_size)
 
 
-def matched_rows(previous: DecodeKV, table: torch.Tensor, lens_host: list[int],
+def matched_rows(previous: DecodeKV, table: np.ndarray, lens_host: list[int],
                  block_size: int) -> list[int | None] | None:
     """Per row of this step (lengths ``lens_host``), the row of ``previous`` it continues (one
     token longer, over the same blocks), or ``None`` for a row that joins; the continued rows
     increase. ``None`` when no row continues one, or a candidate's blocks differ."""
-    n_old, n = previous.lens.shape[0], len(lens_host)
+    n_old, n = previous.lens_host.shape[0], len(lens_host)
     if previous.block_size != block_size or n == 0:
         return None
-    old_lens = previous.lens.tolist()
-    old_first, new_first = previous.table[:, 0].tolist(), table[:, 0].tolist()
+    old_lens = previous.lens_host.tolist()
+    old_first, new_first = previous.table_host[:, 0].tolist(), table[:, 0].tolist()
     matched: list[int | None] = []
     p = 0
     for i in range(n):  # the next old row with the same first block and one token less, if any
@@ -74,12 +75,15 @@ def matched_rows(previous: DecodeKV, table: torch.Tensor, lens_host: list[int],
     if not kept:
         return None
     # Then every block that held a kept row's previous context must be the same.
-    new_index = torch.tensor([i for i, _ in kept], device=table.device)
-    old_index = torch.tensor([old for _, old in kept], device=previous.lens.device)
-    if not same_blocks(previous.table.index_select(0, old_index), previous.lens.index_select(0, old_index),
-                       table.index_select(0, new_index), block_size):
+    new_index, old_index = [i for i, _ in kept], [old for _, old in kept]
+    if not same_blocks(previous.table_host[old_index], previous.lens_host[old_index], table[new_index], block_size):
         return None
     return matched
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (no copy); another device's, copied to the host."""
+    return (tensor if tensor.is_cpu else tensor.cpu()).numpy()
 
 
 def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
@@ -89,54 +93,65 @@ def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: in
     left, some joined); else a fresh start. ``None`` when padding would exceed
     :data:`~servelab.attention.decode_kv.MAX_PADDING`.
 
+    Planned on the host in numpy (the decisions read a few dozen integers; torch ops on them
+    cost their dispatch each), the tensors the layers read made once, on ``lens``'s device.
+
     Args:
         block_table: int32/int64 ``[n, max_blocks]``; lens: int64 ``[n]`` (>= 1),
         contexts including this step's token; block_size: tokens per block (the decode
         rows of the step, in its order).
         previous: the last step's (only if nothing wrote the caches since).
     """
+    return plan_host(to_host(block_table), to_host(lens), block_size, previous, lens.device)
+
+
+def plan_host(block_table: np.ndarray, lens: np.ndarray, block_size: int, previous: DecodeKV | None,
+              device: torch.device) -> DecodeKV | None:
+    """:func:`plan_decode_kv` of host arrays (``block_table`` ``[n, max_blocks]``, ``lens`` ``[n]``,
+    any integer dtype; neither is kept), its tensors made on ``device``."""
     n = lens.shape[0]
     if n == 0:
         return None
-    lens = lens.long()  # the C kernel reads int64
-    lens_host = lens.tolist()
+    lens_np = lens.astype(np.int64)  # a copy, int64 as the C kernel reads it
+    lens_host = lens_np.tolist()
     max_len = max(lens_host)
     if n * max_len > decode_kv.MAX_PADDING * sum(lens_host):
         return None
     num_blocks = -(-max_len // block_size)
-    table = block_table[:, :num_blocks].to(torch.int64, copy=True)  # the caller may reuse its buffer
-    if previous is not None and continues(previous, table, lens, block_size):
+    table = block_table[:, :num_blocks].astype(np.int64)  # a copy: the caller may reuse its buffer
+    if previous is not None and continues(previous, table, lens_np, block_size):
         # Every row one token longer: the sort order and the buckets still hold.
         if max_len <= previous.cap:
-            return DecodeKV(table, lens, block_size, previous.cap, previous.buffers, True, previous.order,
-                            previous.buckets)
-        return DecodeKV(table, lens, block_size, grown_cap(previous, max_len), {}, False, previous.order,
-                        previous.buckets, grow_from=previous.buffers)
+            return DecodeKV(table, lens_np, block_size, previous.cap, previous.buffers, True, previous.order_host,
+                            previous.bucketing, device)
+        return DecodeKV(table, lens_np, block_size, grown_cap(previous, max_len), {}, False, previous.order_host,
+                        previous.bucketing, device, grow_from=previous.buffers)
     if previous is not None and max_len <= previous.cap:
         matched = matched_rows(previous, table, lens_host, block_size)
         if matched is not None and (None not in matched or _kernel_only(previous)):
-            return _reused(previous, table, lens, lens_host, block_size, matched)
+            return _reused(previous, table, lens_np, lens_host, block_size, matched, device)
     ranked = sorted(range(n), key=lens_host.__getitem__)
-    order = None if ranked == list(range(n)) else torch.tensor(ranked, device=lens.device)
-    buckets = _length_buckets([lens_host[i] for i in ranked])
+    order = None if ranked == list(range(n)) else ranked
     cap = -(-(max_len + decode_kv.HEADROOM) // 16) * 16
-    return DecodeKV(table, lens, block_size, cap, {}, False, order, buckets)
+    return DecodeKV(table, lens_np, block_size, cap, {}, False, order,
+                    LengthBuckets([lens_host[i] for i in ranked]), device)
 
 
-def _reused(previous: DecodeKV, table: torch.Tensor, lens: torch.Tensor, lens_host: list[int],
-            block_size: int, matched: list[int | None]) -> DecodeKV:
+def _reused(previous: DecodeKV, table: np.ndarray, lens: np.ndarray, lens_host: list[int],
+            block_size: int, matched: list[int | None], device: torch.device) -> DecodeKV:
     """The :class:`DecodeKV` reusing ``previous``'s buffers in place (see :func:`matched_rows`):
     its first buffer rows are the kept old ones in their old buffer order (every kept row grew
     by one, so each ascending run of lengths stays one), then the joining rows, shortest first;
     the buckets are cut again, run by run."""
-    old_order = previous.order.tolist() if previous.order is not None else range(previous.lens.shape[0])
+    old_order = previous.order_host if previous.order_host is not None else range(previous.lens_host.shape[0])
     new_row_of = {old: new for new, old in enumerate(matched) if old is not None}  # previous row -> row here
     buffer_rows = [b for b, old in enumerate(old_order) if old in new_row_of]
     ranked = [new_row_of[old_order[b]] for b in buffer_rows]  # this step's row of each buffer row
     ranked += sorted((i for i, old in enumerate(matched) if old is None), key=lens_host.__getitem__)
-    order = None if ranked == list(range(len(matched))) else torch.tensor(ranked, device=lens.device)
+    order = None if ranked == list(range(len(matched))) else ranked
     return DecodeKV(table, lens, block_size, previous.cap, {}, False, order,
-                    _length_buckets([lens_host[i] for i in ranked]), compact_from=(previous.buffers, buffer_rows))
+                    LengthBuckets([lens_host[i] for i in ranked]), device,
+                    compact_from=(previous.buffers, buffer_rows))
 
 
 def _kernel_only(previous: DecodeKV) -> bool:
@@ -145,19 +160,6 @@ def _kernel_only(previous: DecodeKV) -> bool:
     kept ones, so the buffer order is no longer sorted by length, and the torch formulation's
     buckets (hence its last bits) would then differ from a fresh start's."""
     return bool(previous.buffers) and all(kernel for _, _, kernel in previous.buffers.values())
-
-
-def _length_buckets(lens: list[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` buffer-row ranges cutting lengths in buffer order: each maximal
-    ascending run split the least-padding way (so a bucket's last row is its longest)."""
-    buckets, start = [], 0
-    for stop in range(1, len(lens) + 1):
-        if stop == len(lens) or lens[stop] < lens[stop - 1]:
-            runs = bucketing.bucket_sequences([1] * (stop - start), lens[start:stop],
-                                              overhead=bucketing.DECODE_BUCKET_OVERHEAD)
-            buckets += [(start + run[0], start + run[-1] + 1) for run in runs]
-            start = stop
-    return buckets
 
 
 def grown_cap(previous: DecodeKV, max_len: int) -> int:

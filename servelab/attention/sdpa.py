@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,8 +63,8 @@ from servelab._internal.attention_checks import check_paged_attention_args
 from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequences re-exported here
     BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
-from servelab.attention.decode_kv import DecodeKV
-from servelab.attention.decode_plan import plan_decode_kv
+from servelab.attention.decode_kv import DecodeKV, on_device
+from servelab.attention.decode_plan import plan_host, to_host
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""
@@ -81,6 +82,7 @@ class _Group:
     out_src: torch.Tensor | None  # int64 [R]: real rows among the n * max_q (None: all are real)
     out_dst: torch.Tensor  # int64 [R]: their rows in the output
     is_causal: bool = False  # fresh prompts, no window: SDPA's is_causal=True replaces the mask
+    q_index_host: np.ndarray | None = None  # q_index as planned on the host
     identity: bool = False  # q_index is arange(num_tokens) with max_q 1 (a pure decode step): no gather/scatter
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
@@ -151,109 +153,113 @@ def plan_attention(block_table: torch.Tensor, seq_lens: torch.Tensor, query_star
             masks. A tree step always takes the gathered path (its sequences
             have several query rows, so it is never a carried decode step).
     """
-    lens = seq_lens.long()
-    starts = query_start_loc.long()
-    num_tokens = int(starts[-1]) if starts.numel() else 0
+    device = seq_lens.device
+    # Planned on the host in numpy: a plan reads a few dozen integers, and a torch op on them
+    # costs its dispatch (~5 us) each; the index tensors the layers read are made once.
+    lens, starts = to_host(seq_lens).astype(np.int64), to_host(query_start_loc).astype(np.int64)
+    table = to_host(block_table)
+    num_tokens = int(starts[-1]) if starts.size else 0
     if tree_mask is not None:
-        groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window, tree_mask)
-        return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups, tree=True)
+        groups = _plan_groups(table, lens, starts, block_size, causal, sliding_window, device, tree_mask)
+        return AttentionPlan(num_tokens, lens.shape[0], block_size, causal, sliding_window, groups, tree=True)
     if chain and causal and sliding_window is None and lens.shape[0] > 0:
-        plan = _plan_carried(block_table, lens, starts, block_size, num_tokens,
-                             previous.decode_kv if previous else None)
+        plan = _plan_carried(table, lens, starts, block_size, num_tokens, previous.decode_kv if previous else None,
+                             device)
         if plan is not None:
             return plan
-    groups = _plan_groups(block_table, lens, starts, block_size, causal, sliding_window)
-    return AttentionPlan(num_tokens, int(lens.shape[0]), block_size, causal, sliding_window, groups)
+    groups = _plan_groups(table, lens, starts, block_size, causal, sliding_window, device)
+    return AttentionPlan(num_tokens, lens.shape[0], block_size, causal, sliding_window, groups)
 
 
-def _plan_carried(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
-                  num_tokens: int, previous: DecodeKV | None) -> AttentionPlan | None:
+def _plan_carried(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, block_size: int, num_tokens: int,
+                  previous: DecodeKV | None, device: torch.device) -> AttentionPlan | None:
     """A causal, windowless step whose decode rows (one query row each) carry their K/V in a
     :class:`DecodeKV`; the other rows of a mixed step (prompts, chunks) are gathered groups.
     ``None`` when no decode row can be carried (then the whole step is gathered)."""
-    num_seqs = int(lens.shape[0])
-    deferred = (block_table, lens, starts, block_size, True, None)
+    num_seqs = lens.shape[0]
+    deferred = (table, lens, starts, block_size, True, None, device)
     if num_tokens == num_seqs:  # a pure decode step: every row, in order
-        carried = plan_decode_kv(block_table, lens, block_size, previous)
+        carried = plan_host(table, lens, block_size, previous, device)
         return None if carried is None else AttentionPlan(num_tokens, num_seqs, block_size, True, None, [],
                                                           decode_kv=carried, _deferred=deferred)
-    q_lens = starts[1:] - starts[:-1]
-    decoding = torch.nonzero(q_lens == 1).flatten()
-    if not decoding.numel():
+    decoding = np.nonzero(starts[1:] - starts[:-1] == 1)[0]
+    if not decoding.size:
         return None
-    carried = plan_decode_kv(block_table.index_select(0, decoding), lens.index_select(0, decoding), block_size,
-                             previous)
+    carried = plan_host(table[decoding], lens[decoding], block_size, previous, device)
     if carried is None:
         return None
-    others = _plan_groups(block_table, lens, starts, block_size, True, None, decode_rows=False)
+    others = _plan_groups(table, lens, starts, block_size, True, None, device, decode_rows=False)
     return AttentionPlan(num_tokens, num_seqs, block_size, True, None, [], decode_kv=carried, _deferred=deferred,
-                         decode_tokens=starts.index_select(0, decoding), other_groups=others)
+                         decode_tokens=on_device(starts[decoding], device), other_groups=others)
 
 
-def _plan_groups(block_table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, block_size: int,
-                 causal: bool, sliding_window: int | None, tree_mask: TreeMask | None = None, *,
+def _plan_groups(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, block_size: int, causal: bool,
+                 sliding_window: int | None, device: torch.device, tree_mask: TreeMask | None = None, *,
                  decode_rows: bool | None = None) -> list[_Group]:
-    """The padded groups of the step's rows: of the decode rows (one query row) and of the
-    others, or of one kind only (``decode_rows`` True / False)."""
-    device = lens.device
+    """The padded groups of the step's rows (host arrays: ``table`` ``[S, max_blocks]``, ``lens``
+    int64 ``[S]``, ``starts`` int64 ``[S + 1]``): of the decode rows (one query row) and of the
+    others, or of one kind only (``decode_rows`` True / False); tensors on ``device``."""
     q_lens = starts[1:] - starts[:-1]
     groups = []
     kinds = ((True, DECODE_BUCKET_OVERHEAD), (False, BUCKET_OVERHEAD))
     for decoding, costs in kinds if decode_rows is None else [kinds[0 if decode_rows else 1]]:
-        members = torch.nonzero(q_lens == 1 if decoding else q_lens > 1).flatten()
-        if not members.numel():
+        members = np.nonzero(q_lens == 1 if decoding else q_lens > 1)[0]
+        if not members.size:
             continue
-        # One host read of the group's lengths per step.
         q_host, kv_host = q_lens[members].tolist(), lens[members].tolist()
         for bucket in bucket_sequences(q_host, kv_host, overhead=costs):
-            index = members if len(bucket) == len(q_host) else members[torch.tensor(bucket, device=device)]
+            index = members if len(bucket) == len(q_host) else members[bucket]
             fresh = (not decoding and causal and sliding_window is None and tree_mask is None
                      and all(q_host[i] == kv_host[i] for i in bucket))
-            tree = None if tree_mask is None else (tree_mask.ancestors, tree_mask.tree_lens.long()[index])
-            groups.append(_plan_group(block_table.index_select(0, index).long(), lens[index], starts[index],
+            tree = None if tree_mask is None else (tree_mask.ancestors,
+                                                   tree_mask.tree_lens.long()[on_device(index, device)])
+            groups.append(_plan_group(table[index].astype(np.int64, copy=False), lens[index], starts[index],
                                       q_lens[index], block_size, causal, sliding_window, device, fresh, tree))
     # Every sequence decodes one token in one bucket (the bulk of a serving
     # loop): the queries are the rows in order, the output needs no scatter.
-    if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
-        groups[0].identity = bool(torch.equal(groups[0].q_index[:, 0], torch.arange(lens.shape[0], device=device)))
+    first = groups[0].q_index_host if len(groups) == 1 else None
+    if first is not None and first.shape == (lens.shape[0], 1):
+        groups[0].identity = bool(np.array_equal(first[:, 0], np.arange(lens.shape[0])))
     return groups
 
 
-def _plan_group(table: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor,
-                block_size: int, causal: bool, window: int | None, device: torch.device,
-                fresh: bool = False, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> _Group:
-    """One bucket's gather indices and mask; ``tree``: (ancestors int64 ``[T]``, the
-    bucket's tree lengths int64 ``[n]``) of a :class:`TreeMask`."""
+def _plan_group(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, q_lens: np.ndarray, block_size: int,
+                causal: bool, window: int | None, device: torch.device, fresh: bool = False,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> _Group:
+    """One bucket's gather indices and mask (from host arrays, int64); ``tree``: (ancestors int64
+    ``[T]``, the bucket's tree lengths int64 ``[n]``) of a :class:`TreeMask`."""
     max_q, max_kv = int(q_lens.max()), int(lens.max())
-    kv_pos = torch.arange(max_kv, device=device)
+    kv_pos = np.arange(max_kv)
     in_seq = kv_pos[None, :] < lens[:, None]  # [n, max_kv]
-    safe_pos = torch.where(in_seq, kv_pos[None, :], 0)  # past the end: the sequence's own position 0
-    kv_blocks = table.gather(1, safe_pos // block_size)
-    t = torch.minimum(torch.arange(max_q, device=device)[None, :], q_lens[:, None] - 1)  # [n, max_q]
+    safe_pos = np.where(in_seq, kv_pos[None, :], 0)  # past the end: the sequence's own position 0
+    kv_blocks = np.take_along_axis(table, safe_pos // block_size, axis=1)
+    t = np.minimum(np.arange(max_q)[None, :], q_lens[:, None] - 1)  # [n, max_q]
     q_index = starts[:, None] + t
     q_pos = (lens - q_lens)[:, None] + t  # absolute position of each query row
     is_causal = fresh and max_q == max_kv
-    if is_causal:  # SDPA's own causal mask; no [n, max_q, max_kv] tensor to build
-        allowed = None
-    else:
-        allowed = in_seq[:, None, :].expand(-1, max_q, -1)
+    allowed = None  # fresh prompts: SDPA's own causal mask; no [n, max_q, max_kv] tensor to build
+    if not is_causal:
+        rule = np.broadcast_to(in_seq[:, None, :], (lens.shape[0], max_q, max_kv))
         if causal:
-            allowed = allowed & (kv_pos[None, None, :] <= q_pos[:, :, None])
+            rule = rule & (kv_pos[None, None, :] <= q_pos[:, :, None])
         if window is not None:
-            allowed = allowed & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+            rule = rule & (q_pos[:, :, None] - kv_pos[None, None, :] < window)
+        allowed = on_device(rule, device)
         if tree is not None:
-            ancestors = tree[0].to(device)[q_index]  # [n, max_q]
-            allowed = allowed & tree_visible(ancestors, kv_pos[None, :], lens - tree[1])
+            ancestors = tree[0].to(device)[on_device(q_index, device)]  # [n, max_q]
+            allowed = allowed & tree_visible(ancestors, on_device(kv_pos, device)[None, :],
+                                             on_device(lens, device) - tree[1])
         allowed = allowed.contiguous()
     if max_q == 1:
-        out_src, out_dst = None, q_index[:, 0]
+        out_src, out_dst = None, on_device(q_index[:, 0], device)
     else:
-        real = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).flatten()
-        out_src = torch.nonzero(real).flatten()
-        out_dst = q_index.flatten()[out_src]
+        real = (np.arange(max_q)[None, :] < q_lens[:, None]).flatten()
+        src = np.nonzero(real)[0]
+        out_src, out_dst = on_device(src, device), on_device(q_index.flatten()[src], device)
     kv_offsets = safe_pos % block_size
     kv_slots = (kv_blocks * block_size + kv_offsets).flatten()
-    return _Group(q_index, kv_blocks, kv_offsets, kv_slots, allowed, out_src, out_dst, is_causal=is_causal)
+    return _Group(on_device(q_index, device), on_device(kv_blocks, device), on_device(kv_offsets, device),
+                  on_device(kv_slots, device), allowed, out_src, out_dst, is_causal=is_causal, q_index_host=q_index)
 
 
 def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size: int, causal: bool,
