@@ -56,7 +56,7 @@ from servelab._internal.paths import kernel_cache_dir
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
                                                "decode_glue.c", "argmax.c"))
-ABI_VERSION = 12
+ABI_VERSION = 13
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),

@@ -57,35 +57,80 @@ static inline vf load(const float* p) { vf x; memcpy(&x, p, sizeof(x)); return x
 static inline void store(float* p, vf x) { memcpy(p, &x, sizeof(x)); }
 static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-/* Software prefetch of the next head's data while this head computes. A head's K (or V)
- * is one short sequential stream (tens of KB), and without help the kernel read a step's
- * K/V cold at ~13 GB/s where one long stream reads at ~23: its arithmetic did not overlap
- * the misses (the same data warm took a third of the time). kt_next / v_next: the same
- * offsets in the next head of this thread's range (NULL for its last head), one prefetch
- * per cache line loaded, into L2 (locality 1): SmolLM2's batch-16 K/V over 30 layers, cold,
- * went from 8.5-9.6 to 7.2-7.6 ms on one thread (median 1.18-1.28x over 60-80 interleaved
- * rounds on a Zen 4 VM) and 1.10x on two. Into L1 (locality 3) it was no faster than none:
- * the next head's lines evicted the current head's. Prefetches change no result. */
+/* Software prefetch, three kinds. Measured on SmolLM2-135M's batch-16 decode K/V (30 layers
+ * of 48 heads, ~45 KB of K and ~45 KB of V each: 126 MB per step, read cold, 64 MiB written
+ * between steps) through torch tensors and ctypes, on a 2-core Zen 4 VM whose one-thread read
+ * of one long stream (torch.sum) is 22-25 GB/s, i.e. 5.0-5.7 ms for these bytes. The VM's
+ * speed drifts up to 2x between minutes: figures are medians of 150-300 rounds alternating
+ * the variants in one process, and only ratios within a run compare.
+ * - kt_next / v_next: the same offsets in the next head of this thread's range (NULL for its
+ *   last head), one prefetch per cache line loaded. A head's K (or V) is one short stream
+ *   (11 pages), the hardware prefetchers stop at each 4 KiB page's end, and the kernel's
+ *   arithmetic did not overlap the misses: without software prefetch a step takes 1.2-1.35x
+ *   as long.
+ * - The same line again, 4 KiB ahead in this head's own stream (PREFETCH_AGAIN): the next
+ *   head's prefetches are issued at the rate the kernel consumes lines already in L2, faster
+ *   than memory serves them, and some of those lines are still not in L2 when their head
+ *   comes (dropped or late), each then a demand miss; the second chance costs an L2 hit
+ *   where the line is there. 1.05-1.09x per step; 2 or 8 KiB ahead gained less, in the
+ *   scores or the values alone ~1.02x.
+ * - One prefetch into every 4 KiB page of the thread's heads before its first head
+ *   (prefetch_pages in servelab_decode_attention): cold, a page's translation is a page walk
+ *   whose page-table line is in DRAM too, and the prefetches and loads of the page wait for
+ *   it. The ~1100 walks of a layer take ~35 us as one burst; the heads' loops then run ~20%
+ *   faster: 1.05-1.09x per step.
+ * All into L2 (locality 1): into L1 (locality 3 or 0) the next head's lines evict the current
+ * one's (0.77x). With the direct stores of the scores, a step went from 8.75-9.16 to 8.08-8.14
+ * ms at 1 thread (1.08-1.13x, 265 of 300 and 194 of 200 rounds faster), 10.15 to 9.15 ms with
+ * 14 MB of other data read between layers (1.11x), and 5.24 to 4.70 ms at 2 threads (1.12x).
+ * Tried and no better, or worse: prefetching only the own stream, 2-96 KB ahead (chained
+ * from K to V to the next K), instead of the next head (0.78-1.04x of the next head alone);
+ * two heads ahead (1.0x); the next head's pages at each head's start instead of all pages at
+ * once (0.96-1.0x); the page-table lines first (one prefetch per 32 KiB: 1.0x); real loads
+ * (0.58x: a missing load stalls retirement); ~2-8 KB of the next V before the softmax
+ * (1.0-1.02x); each prefetch issued twice at once (1.02x). Prefetches change no result. */
 #define PREFETCH(p) __builtin_prefetch((p), 0, 1)
+#define PREFETCH_AGAIN 4096  /* bytes */
+
+/* One prefetch into every 4 KiB page of [p, p + bytes): its translation into the TLB (and
+ * its first line into L2). */
+static void prefetch_pages(const void* p, int64_t bytes) {
+    const uintptr_t start = (uintptr_t)p, end = start + (uintptr_t)bytes;
+    for (uintptr_t page = start & ~(uintptr_t)4095; page < end; page += 4096)
+        PREFETCH((const void*)(page < start ? start : page));
+}
 
 /* One KV head: scores of its G query heads over positions [0, len), 16 at a time,
- * the G accumulators in registers (G is a compile-time constant per instance). */
+ * the G accumulators in registers (G is a compile-time constant per instance). A whole
+ * tile's scores are stored directly: through a buffer and a memcpy of a runtime length
+ * (rep movs, tens of cycles per query head and tile) the kernel took 1.13-1.15x as long
+ * warm (in L2 or L3), 1.01x cold. Not kept: two tiles per pass over d (2G accumulators,
+ * each q broadcast serving two lines, GCC kept from folding a line's load into each of
+ * its G FMAs) was 1.35x faster warm but 5-10% slower cold, where the next head's
+ * prefetches then outran memory. */
 #define DEFINE_SCORES(G)                                                                      \
 static void scores_head_##G(const float* q, const float* kt, int64_t len, float* s,           \
                             int64_t D, int64_t width, float scale, const float* kt_next) {    \
+    const int64_t bytes = (len + LANES - 1) / LANES * LANES * D * (int64_t)sizeof(float);     \
     for (int64_t l0 = 0; l0 < len; l0 += LANES) {                                             \
         vf acc[G];                                                                            \
         for (int g = 0; g < G; ++g) acc[g] = splat(0.0f);                                     \
         for (int64_t d = 0; d < D; ++d) {                                                     \
-            const vf k = load(kt + l0 * D + d * LANES); /* whole tiles: cap % 16 == 0 */      \
+            const float* line = kt + l0 * D + d * LANES;                                      \
+            const vf k = load(line); /* whole tiles: cap % 16 == 0 */                         \
             if (kt_next) PREFETCH(kt_next + l0 * D + d * LANES);                              \
+            if ((l0 * D + d * LANES) * (int64_t)sizeof(float) + PREFETCH_AGAIN < bytes)       \
+                PREFETCH((const char*)line + PREFETCH_AGAIN);                                 \
             for (int g = 0; g < G; ++g) acc[g] += splat(q[g * D + d]) * k;                    \
         }                                                                                     \
-        const int64_t n = len - l0 < LANES ? len - l0 : LANES;                                \
-        for (int g = 0; g < G; ++g) {                                                         \
-            float tmp[LANES];                                                                 \
-            store(tmp, acc[g] * splat(scale));                                                \
-            memcpy(s + g * width + l0, tmp, (size_t)n * sizeof(float));                       \
+        if (l0 + LANES <= len) {                                                              \
+            for (int g = 0; g < G; ++g) store(s + g * width + l0, acc[g] * splat(scale));     \
+        } else {                                                                              \
+            for (int g = 0; g < G; ++g) {                                                     \
+                float tmp[LANES];                                                             \
+                store(tmp, acc[g] * splat(scale));                                            \
+                memcpy(s + g * width + l0, tmp, (size_t)(len - l0) * sizeof(float));          \
+            }                                                                                 \
         }                                                                                     \
     }                                                                                         \
     for (int g = 0; g < G; ++g)                                                               \
@@ -97,6 +142,7 @@ static void scores_head_##G(const float* q, const float* kt, int64_t len, float*
 #define DEFINE_PV(G, NV)                                                                      \
 static void pv_head_##G##_##NV(const float* p, const float* v, int64_t len, float* out,       \
                                int64_t D, int64_t width, const float* v_next) {               \
+    const int64_t bytes = len * D * (int64_t)sizeof(float);                                   \
     for (int64_t d0 = 0; d0 < D; d0 += NV * LANES) {                                          \
         vf acc[G][NV];                                                                        \
         for (int g = 0; g < G; ++g)                                                           \
@@ -106,6 +152,9 @@ static void pv_head_##G##_##NV(const float* p, const float* v, int64_t len, floa
             for (int j = 0; j < NV; ++j) x[j] = load(v + l * D + d0 + j * LANES);             \
             if (v_next)                                                                       \
                 for (int j = 0; j < NV; ++j) PREFETCH(v_next + l * D + d0 + j * LANES);       \
+            for (int j = 0; j < NV; ++j)                                                      \
+                if ((l * D + d0 + j * LANES) * (int64_t)sizeof(float) + PREFETCH_AGAIN < bytes) \
+                    PREFETCH((const char*)(v + l * D + d0 + j * LANES) + PREFETCH_AGAIN);     \
             for (int g = 0; g < G; ++g) {                                                     \
                 const vf w = splat(p[g * width + l]);                                         \
                 for (int j = 0; j < NV; ++j) acc[g][j] += w * x[j];                           \
@@ -133,7 +182,7 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 12; }
+int servelab_abi_version(void) { return 13; }
 
 /* The cache key this library was built under (compiler, flags, resolved target
  * features, source): the loader refuses a file whose key is not its own. */
@@ -307,7 +356,10 @@ static void softmax_row(float* s, int64_t len) {
  * the head's scores read right after (a K position spans D lines of the tiled layout).
  * As a call of its own before this one, the copy was serial and took ~1.2 ms of a
  * SmolLM2 batch-16 step (30 layers) at 1 and at 2 threads. Without slots, kt and v are
- * only read. */
+ * only read.
+ *
+ * Before its first head, each thread prefetches one line of every page its heads read
+ * (see PREFETCH: the page walks of a cold layer). */
 void servelab_decode_attention(const float* q, int64_t q_row_stride, float* kt, float* v,
                                const int64_t* lens, float* scores, float* out, int64_t heads, int64_t kv_per_row,
                                int64_t group, int64_t head_size, int64_t cap, int64_t width, float scale,
@@ -321,6 +373,11 @@ void servelab_decode_attention(const float* q, int64_t q_row_stride, float* kt, 
     {
         int64_t lo, hi;
         head_range(lens, heads, kv_per_row, THREAD_ID, TEAM_SIZE, &lo, &hi);
+        for (int64_t h = lo; h < hi; ++h) { /* the pages this thread reads (see PREFETCH) */
+            const int64_t len = lens[h / kv_per_row];
+            prefetch_pages(kt + h * head_size * cap, (len + LANES - 1) / LANES * LANES * head_size * 4);
+            prefetch_pages(v + h * cap * head_size, len * head_size * 4);
+        }
         for (int64_t h = lo; h < hi; ++h) {
             const int64_t len = lens[h / kv_per_row];
             float* s = scores + h * group * width;
