@@ -135,7 +135,9 @@ def _scratch(rows: int, hidden: int, gate_up: int) -> tuple[torch.Tensor, torch.
     sizes: dict | None = getattr(_thread_scratch, "sizes", None)
     if sizes is None:
         sizes = _thread_scratch.sizes = {}
-    key = (rows, hidden, gate_up)
+    # Inference mode in the key: a tensor made under it cannot be updated in place outside it
+    # (SiLU is in place), and one made outside it would be a normal tensor inside it.
+    key = (rows, hidden, gate_up, torch.is_inference_mode_enabled())
     cached = sizes.get(key)
     if cached is None:
         if len(sizes) >= _SCRATCH_SIZES:

@@ -164,3 +164,18 @@ def test_a_changed_default_dtype_does_not_reach_the_c_buffers(kernel_library, mo
         torch.set_default_dtype(previous)
     assert calls == 3 * 2 and len(glued) == len(plain) == 3  # both layers, every step (few rows)
     assert all(torch.equal(a, b) for a, b in zip(glued, plain))
+
+
+def test_the_reused_temporaries_follow_inference_mode():
+    """The glue's reused temporaries made under inference_mode (a pipeline step) are not handed
+    out after it (a model called under no_grad, as the HF oracle tests do): SiLU updates them in
+    place, which torch refuses on an inference tensor outside inference mode."""
+    with torch.inference_mode():
+        inside = decode_glue._scratch(3, 8, 16)
+        assert all(t.is_inference() for t in inside)
+    with torch.no_grad():
+        outside = decode_glue._scratch(3, 8, 16)
+        assert not any(t.is_inference() for t in outside)
+        torch.nn.functional.silu(outside[2][:, :8], inplace=True)  # what forward does
+    with torch.inference_mode():
+        assert all(a is b for a, b in zip(decode_glue._scratch(3, 8, 16), inside))  # still reused
