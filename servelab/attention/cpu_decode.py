@@ -101,9 +101,6 @@ class LibraryOnce:
         return self.lib
 
 
-_once = LibraryOnce()  # attend_rows' library: looked up once
-
-
 def _library():
     global _warned
     try:
@@ -186,17 +183,9 @@ def attend(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: tor
 
     Returns: float32 ``[H, G, D]``.
     """
-    heads, head_size = tiles.shape[0], tiles.shape[2]
-    group = q.shape[1] // kv_per_row
-    scores = torch.empty(heads, group, width, dtype=torch.float32, device="cpu")  # workspace
-    out = torch.empty(heads, group, head_size, dtype=torch.float32, device="cpu")
     rows = (None, None, None) if append is None else (append[0].data_ptr(), append[1].data_ptr(),
                                                       append[2].data_ptr())
-    _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
-                                         lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
-                                         group, head_size, tiles.shape[1] * LANES, width, scale,
-                                         torch.get_num_threads(), *rows)
-    return out
+    return _decode_attention(q, tiles, values, lens, kv_per_row, tiles.shape[1] * LANES, width, scale, rows)
 
 
 def attend_rows(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: torch.Tensor, kv_per_row: int,
@@ -206,14 +195,22 @@ def attend_rows(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens
     are the flattened caches') and the buffers' ``cap`` given, so no view is built: a carried
     decode step's per-layer call (:meth:`DecodeKV.attend <servelab.attention.decode_kv.DecodeKV.attend>`).
     Unchecked, as :func:`attend`. Returns float32 ``[rows * kv_per_row, G, D]``."""
+    return _decode_attention(q, tiles, values, lens, kv_per_row, cap, width, scale,
+                             (key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr()))
+
+
+def _decode_attention(q: torch.Tensor, tiles: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
+                      kv_per_row: int, cap: int, width: int, scale: float,
+                      append: tuple[int | None, int | None, int | None]) -> torch.Tensor:
+    """The one ``servelab_decode_attention`` call of :func:`attend` and :func:`attend_rows`
+    (``append``: the pointers of the paged K, V and slots, or three ``None``)."""
     rows, num_heads, head_size = q.shape
     heads, group = rows * kv_per_row, num_heads // kv_per_row
     scores = torch.empty(heads, group, width, dtype=torch.float32, device="cpu")  # workspace
     out = torch.empty(heads, group, head_size, dtype=torch.float32, device="cpu")
-    _once().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
-                                           lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
-                                           group, head_size, cap, width, scale, torch.get_num_threads(),
-                                           key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr())
+    _library().servelab_decode_attention(q.data_ptr(), q.stride(0), tiles.data_ptr(), values.data_ptr(),
+                                         lens.data_ptr(), scores.data_ptr(), out.data_ptr(), heads, kv_per_row,
+                                         group, head_size, cap, width, scale, torch.get_num_threads(), *append)
     return out
 
 

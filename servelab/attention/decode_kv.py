@@ -320,8 +320,7 @@ class DecodeKV:
                 or key_cache.shape != value_cache.shape or key_cache.shape[3] != query.shape[2] or query.stride(2) != 1
                 or query.stride(1) != query.shape[2]):
             return None
-        low, high = self._slot_range
-        if low < 0 or high >= key_cache.shape[0] * key_cache.shape[1]:
+        if not self._slots_within(key_cache.shape[0] * key_cache.shape[1]):
             return None
         n, num_heads, head_size = query.shape
         num_kv_heads = key_cache.shape[2]
@@ -349,9 +348,14 @@ class DecodeKV:
         """Whether the C kernel may copy the new rows straight from these caches (its ``append``
         argument) while it attends: float32,
         contiguous, every new slot inside them (checked once per step: the C side trusts it)."""
-        low, high = self._slot_range
         return (flat_k.dtype == compute and flat_v.dtype == compute and flat_k.is_contiguous()
-                and flat_v.is_contiguous() and low >= 0 and high < min(flat_k.shape[0], flat_v.shape[0]))
+                and flat_v.is_contiguous() and self._slots_within(min(flat_k.shape[0], flat_v.shape[0])))
+
+    def _slots_within(self, cache_rows: int) -> bool:
+        """Whether every new row's slot lies in a flattened cache of ``cache_rows`` slots (the C
+        kernel's append trusts it; the range is read once, when the step is planned)."""
+        low, high = self._slot_range
+        return low >= 0 and high < cache_rows
 
     def _attend_kernel(self, q: torch.Tensor, buffers: tuple, scale: float, num_kv_heads: int,
                        append: tuple | None = None) -> torch.Tensor:

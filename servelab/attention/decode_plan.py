@@ -83,32 +83,26 @@ def matched_rows(previous: DecodeKV, table: np.ndarray, lens_host: list[int],
 
 def to_host(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's numpy view (no copy); another device's, copied to the host."""
-    return (tensor if tensor.is_cpu else tensor.cpu()).numpy()
+    return (tensor if tensor.is_cpu else tensor.cpu()).numpy()  # one host copy per plan off a CPU
 
 
-def plan_decode_kv(block_table: torch.Tensor, lens: torch.Tensor, block_size: int,
-                   previous: DecodeKV | None) -> DecodeKV | None:
+def plan_decode_kv(block_table: np.ndarray, lens: np.ndarray, block_size: int, previous: DecodeKV | None,
+                   device: torch.device) -> DecodeKV | None:
     """The :class:`DecodeKV` of a step's decode rows: ``previous``'s buffers extended (the same
     rows, one token longer), grown (those rows outgrew them) or reused in place (some rows
     left, some joined); else a fresh start. ``None`` when padding would exceed
     :data:`~servelab.attention.decode_kv.MAX_PADDING`.
 
     Planned on the host in numpy (the decisions read a few dozen integers; torch ops on them
-    cost their dispatch each), the tensors the layers read made once, on ``lens``'s device.
+    cost their dispatch each), the tensors the layers read made once, on ``device``.
 
     Args:
-        block_table: int32/int64 ``[n, max_blocks]``; lens: int64 ``[n]`` (>= 1),
-        contexts including this step's token; block_size: tokens per block (the decode
-        rows of the step, in its order).
+        block_table: integer ``[n, max_blocks]``; lens: integer ``[n]`` (>= 1), contexts
+        including this step's token (host arrays, :func:`to_host`; neither is kept);
+        block_size: tokens per block (the decode rows of the step, in its order).
         previous: the last step's (only if nothing wrote the caches since).
+        device: where the step's metadata, hence the plan's index tensors, live.
     """
-    return plan_host(to_host(block_table), to_host(lens), block_size, previous, lens.device)
-
-
-def plan_host(block_table: np.ndarray, lens: np.ndarray, block_size: int, previous: DecodeKV | None,
-              device: torch.device) -> DecodeKV | None:
-    """:func:`plan_decode_kv` of host arrays (``block_table`` ``[n, max_blocks]``, ``lens`` ``[n]``,
-    any integer dtype; neither is kept), its tensors made on ``device``."""
     n = lens.shape[0]
     if n == 0:
         return None

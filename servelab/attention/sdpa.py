@@ -64,7 +64,7 @@ from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequences re-exported here
     BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
 from servelab.attention.decode_kv import DecodeKV, on_device
-from servelab.attention.decode_plan import plan_host, to_host
+from servelab.attention.decode_plan import plan_decode_kv, to_host
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""
@@ -82,7 +82,6 @@ class _Group:
     out_src: torch.Tensor | None  # int64 [R]: real rows among the n * max_q (None: all are real)
     out_dst: torch.Tensor  # int64 [R]: their rows in the output
     is_causal: bool = False  # fresh prompts, no window: SDPA's is_causal=True replaces the mask
-    q_index_host: np.ndarray | None = None  # q_index as planned on the host
     identity: bool = False  # q_index is arange(num_tokens) with max_q 1 (a pure decode step): no gather/scatter
     _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
@@ -179,13 +178,13 @@ def _plan_carried(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, block
     num_seqs = lens.shape[0]
     deferred = (table, lens, starts, block_size, True, None, device)
     if num_tokens == num_seqs:  # a pure decode step: every row, in order
-        carried = plan_host(table, lens, block_size, previous, device)
+        carried = plan_decode_kv(table, lens, block_size, previous, device)
         return None if carried is None else AttentionPlan(num_tokens, num_seqs, block_size, True, None, [],
                                                           decode_kv=carried, _deferred=deferred)
     decoding = np.nonzero(starts[1:] - starts[:-1] == 1)[0]
     if not decoding.size:
         return None
-    carried = plan_host(table[decoding], lens[decoding], block_size, previous, device)
+    carried = plan_decode_kv(table[decoding], lens[decoding], block_size, previous, device)
     if carried is None:
         return None
     others = _plan_groups(table, lens, starts, block_size, True, None, device, decode_rows=False)
@@ -217,9 +216,9 @@ def _plan_groups(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, block_
                                       q_lens[index], block_size, causal, sliding_window, device, fresh, tree))
     # Every sequence decodes one token in one bucket (the bulk of a serving
     # loop): the queries are the rows in order, the output needs no scatter.
-    first = groups[0].q_index_host if len(groups) == 1 else None
-    if first is not None and first.shape == (lens.shape[0], 1):
-        groups[0].identity = bool(np.array_equal(first[:, 0], np.arange(lens.shape[0])))
+    # (One group of every row, one query row each, holds them in row order: its queries are starts[:-1].)
+    if len(groups) == 1 and groups[0].q_index.shape == (lens.shape[0], 1):
+        groups[0].identity = bool(np.array_equal(starts[:-1], np.arange(lens.shape[0])))
     return groups
 
 
@@ -259,7 +258,7 @@ def _plan_group(table: np.ndarray, lens: np.ndarray, starts: np.ndarray, q_lens:
     kv_offsets = safe_pos % block_size
     kv_slots = (kv_blocks * block_size + kv_offsets).flatten()
     return _Group(on_device(q_index, device), on_device(kv_blocks, device), on_device(kv_offsets, device),
-                  on_device(kv_slots, device), allowed, out_src, out_dst, is_causal=is_causal, q_index_host=q_index)
+                  on_device(kv_slots, device), allowed, out_src, out_dst, is_causal=is_causal)
 
 
 def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size: int, causal: bool,

@@ -37,7 +37,13 @@ def finite_argmax(logits: torch.Tensor) -> list[int] | None:
     maximum is not finite (a NaN anywhere in it, ``+inf``, or a row of ``-inf``).
 
     Equal to ``logits.argmax(dim=-1).tolist()`` whenever it returns a list (the reference path,
-    taken when :func:`usable` refuses, is exactly that with the same finiteness rule)."""
+    taken when :func:`usable` refuses, is exactly that with the same finiteness rule). Raises
+    ``TypeError`` / ``ValueError`` naming ``logits`` when it is not a floating ``[rows, n >= 1]`` tensor."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a tensor, got {type(logits).__name__}")
+    if logits.dim() != 2 or logits.shape[1] < 1 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating-point [rows, n] tensor with n >= 1, got "
+                         f"{logits.dtype} of shape {tuple(logits.shape)}")
     if not usable(logits):
         picked = logits.argmax(dim=-1)
         # argmax propagates NaN like amax, so the logit it picks is each row's max: finite exactly

@@ -93,3 +93,14 @@ def test_the_greedy_shortcut_reads_the_c_pass(kernel, monkeypatch):
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     assert Sampler().greedy_tokens(logits, [greedy, greedy]) == logits.argmax(dim=-1).tolist()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ([[1.0, 2.0]], TypeError, "logits must be a tensor, got list"),
+    (torch.zeros(3), ValueError, r"logits must be .*shape \(3,\)"),
+    (torch.zeros(2, 0), ValueError, r"n >= 1.*shape \(2, 0\)"),
+    (torch.zeros(2, 3, dtype=torch.int64), ValueError, "floating-point.*torch.int64"),
+])
+def test_bad_logits_are_refused_by_name(bad, error, match):
+    with pytest.raises(error, match=match):
+        cpu_argmax.finite_argmax(bad)
