@@ -58,13 +58,21 @@ class OutputDelivery:
         (detokenizer, stop-string handling) fails alone; on an interrupt
         (``BaseException``) that request fails, the outputs not yet delivered
         are kept for the next :meth:`step` (or the end of the run), and the
-        interrupt propagates.
+        interrupt propagates. The same holds when failing the request is
+        itself interrupted (its policy's ``on_request_finished``): the
+        scheduler then keeps its final output, and the rest are kept here.
         """
         for k, out in enumerate(outputs):
             try:
                 self._apply(out)
             except BaseException as exc:
-                self._fail_delivery(out, exc)
+                try:
+                    self._fail_delivery(out, exc)
+                except BaseException:
+                    # Ending it was interrupted too (a policy hook): the scheduler keeps
+                    # its final output for the next step; the others' must not be lost.
+                    self._pending = list(outputs[k + 1:]) + self._pending
+                    raise
                 if not isinstance(exc, Exception):
                     self._pending = list(outputs[k + 1:]) + self._pending
                     raise

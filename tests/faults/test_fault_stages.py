@@ -66,3 +66,23 @@ def test_fault_in_generate(stage, kind, when):
         driver.drain_and_check(probe=0)
     finally:
         uninstrument(driver.pipe)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_an_interrupt_while_failing_a_delivery_keeps_the_other_outputs(backend):
+    """Found by the state machine: a step delivers two requests' tokens; the first's
+    detokenizer raises, and failing that request is interrupted in its policy's
+    ``on_request_finished``. The second request's token (already applied by the
+    scheduler) must still reach the caller, not vanish from its output."""
+    driver = Driver(backend, pool_slack=1, max_num_seqs=2, budget=14)
+    try:
+        driver.generate([0])  # warm: the second request's prefill is then one step
+        rids = [driver.add(0, "greedy", max_tokens) for max_tokens in (5, 3, 5, 4)]
+        driver.step()
+        driver.plan.arm(Fault("policy_finish", "interrupt", rids[0]))
+        driver.plan.arm(Fault("detokenize", "error"))
+        _run(driver)
+        assert [f.stage for f in driver.plan.fired] == ["detokenize", "policy_finish"]
+        driver.drain_and_check(probe=0)
+    finally:
+        uninstrument(driver.pipe)
