@@ -263,8 +263,8 @@ class DecodeKV:
         this layer cannot be carried (a cache that is not a flattenable view,
         or the byte budget): the caller then takes the gather path.
         """
-        if self.extends and compute is torch.float32:
-            out = self._extend_in_kernel(query, key_cache, value_cache, scale)
+        if compute is torch.float32:
+            out = self.attend_extending(query, key_cache, value_cache, scale)
             if out is not None:
                 return out
         block_size = key_cache.shape[1]
@@ -306,14 +306,16 @@ class DecodeKV:
         out = out.reshape(n, num_heads, head_size)  # the torch path's is transposed: a copy
         return out if self.inverse is None else out.index_select(0, self.inverse)
 
-    def _extend_in_kernel(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          scale: float) -> torch.Tensor | None:
+    def attend_extending(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
         """:meth:`attend`'s common call, in short: an extending step's layer whose carried buffers are
-        the C kernel's, float32 queries (heads and dimensions contiguous) and contiguous float32
-        caches holding every new slot, so the kernel appends the new rows itself. The same kernel
-        call as the general path, without its views and re-derived sizes (~40 us of a layer's
-        ~90 us of Python in a SmolLM2 batch-16 step). ``None``: take the general path."""
-        buffers = self.buffers.get((key_cache.data_ptr(), value_cache.data_ptr(), torch.float32))
+        the C kernel's, float32 queries ``[n, Hq, D]`` (heads and dimensions contiguous) and
+        contiguous float32 caches holding every new slot, so the kernel appends the new rows
+        itself. The same kernel call as the general path, without its views and re-derived sizes
+        (~40 us of a layer's ~90 us of Python in a SmolLM2 batch-16 step). Returns float32
+        ``[n, Hq, D]``; ``None``: take the general path (:meth:`attend`)."""
+        buffers = self.buffers.get((key_cache.data_ptr(), value_cache.data_ptr(), torch.float32)) \
+            if self.extends else None
         if (buffers is None or not buffers[2] or query.dtype is not torch.float32 or not query.is_cpu
                 or key_cache.dtype is not torch.float32 or value_cache.dtype is not torch.float32
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from servelab.attention import ops as attention_ops
-from servelab.attention.backends import AttentionBackend
+from servelab.attention.backends import AttentionBackend, SdpaAttentionBackend
 from servelab.models import cpu_rope, decode_glue
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
@@ -66,6 +66,9 @@ def resolve_attention(attention: Any = None, device: torch.device | str | None =
     return attention
 
 
+_UNKNOWN = object()  # _StepAttention._carried: not yet decided for this window
+
+
 class _StepAttention:
     """Per-forward view of the attention ops: plans once per sliding window and
     validates once per step, not once per layer.
@@ -93,6 +96,7 @@ class _StepAttention:
         self.prepared_slots: tuple | None = None  # (int64 slots, kept rows) for the default writer
         self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._carried: dict[int | None, Any] = {}  # sliding window -> DecodeKV or None (carried_attend)
 
     def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and the signed ``sin`` as ``[T, 1, D]`` for :func:`rotate`, built once per step
@@ -116,6 +120,44 @@ class _StepAttention:
         self.checked_write = True
         if type(self.ops)._reshape_and_cache is AttentionBackend._reshape_and_cache and slots.shape[0]:
             self.prepared_slots = attention_ops.prepare_slots(slots)
+
+    def carried_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, *, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+        """:meth:`reshape_and_cache` then :meth:`paged_attention` in two direct calls, for the layers
+        after the first of a pure decode step whose K/V the default backend carries: the write of
+        ``write_prepared`` and the kernel call of ``DecodeKV.attend_extending``, which is what the
+        two public calls reach on that step, without the backend's dispatch between them (~20 us
+        of a layer). Returns ``[T, Hq, D]``, or ``None`` (nothing written): take the public calls."""
+        decode_kv = self._carried.get(sliding_window, _UNKNOWN)
+        if decode_kv is _UNKNOWN:
+            if not (self.checked_write and sliding_window in self.checked_read):
+                return None  # the step's first layer: the public, checked calls
+            decode_kv = self._carried[sliding_window] = self._carried_plan(sliding_window)
+        slots = self.prepared_slots
+        if decode_kv is None or slots is None:
+            return None
+        attention_ops.write_prepared(key, value, key_cache, value_cache, *slots)
+        out = decode_kv.attend_extending(query, key_cache, value_cache, scale)
+        if out is None:  # written: attend the public way
+            return self.paged_attention(query, key_cache, value_cache, scale=scale, sliding_window=sliding_window)
+        return out
+
+    def _carried_plan(self, sliding_window: int | None) -> Any:
+        """The step's ``DecodeKV`` when :meth:`carried_attend` reaches exactly what the public calls
+        would: the default backend's own write and sdpa attention (not overridden), the default
+        writer's slots without padding rows, a plan whose every token is a carried decode row, no
+        token tree; else ``None``."""
+        ops = type(self.ops)
+        plan = self.plans.get(sliding_window)
+        if (type(self).reshape_and_cache is not _StepAttention.reshape_and_cache
+                or type(self).paged_attention is not _StepAttention.paged_attention
+                or not self.is_backend or ops._paged_attention is not SdpaAttentionBackend._paged_attention
+                or ops._reshape_and_cache is not AttentionBackend._reshape_and_cache
+                or self.prepared_slots is None or self.prepared_slots[1] is not None
+                or getattr(self.metadata, "tree_mask", None) is not None or plan is None or plan.tree):
+            return None
+        decode_kv = getattr(plan, "decode_kv", None)
+        return decode_kv if decode_kv is not None and plan.decode_tokens is None else None
 
     def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
         m = self.metadata
@@ -209,6 +251,10 @@ class LlamaAttention(nn.Module):
         """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache``, then attend ``q``
         ``[T, num_heads, head_dim]`` over it -> ``[T, num_heads, head_dim]`` (also the glued layer's)."""
         key_cache, value_cache = kv_cache
+        out = attention.carried_attend(k, v, q, key_cache, value_cache, scale=self.scale,
+                                       sliding_window=self.sliding_window)
+        if out is not None:
+            return out
         # Write first: this step's queries attend to this step's keys too.
         attention.reshape_and_cache(k, v, key_cache, value_cache)
         return attention.paged_attention(q, key_cache, value_cache, scale=self.scale,

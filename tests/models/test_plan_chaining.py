@@ -105,3 +105,87 @@ def test_swapping_the_backend_drops_the_carry(model):
         assert model._previous_plans(model.attention, list(runner.caches.views)) is None
     finally:
         model.reset_attention_state()
+
+
+def _count_carried(monkeypatch) -> list:
+    """Record what every ``_StepAttention.carried_attend`` call returned (None: the public calls)."""
+    from servelab.models import llama
+
+    taken, real = [], llama._StepAttention.carried_attend
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama._StepAttention, "carried_attend", counted)
+    return taken
+
+
+def written(runner) -> list[torch.Tensor]:
+    """Every cache tensor's written rows (the sequences' positions so far), in a fixed order."""
+    bs = runner.block_size
+    slots = [(table[p // bs], p % bs) for s, table in sorted(runner.tables.items())
+             for p in range(runner.computed[s])]
+    blocks, offsets = (torch.tensor(x) for x in zip(*slots))
+    return [t[blocks, offsets].clone() for pair in runner.caches.views for t in pair]
+
+
+def _count_extending(monkeypatch) -> list:
+    """Record whether every ``DecodeKV.attend_extending`` call attended (not None)."""
+    from servelab.attention.decode_kv import DecodeKV
+
+    attended, real = [], DecodeKV.attend_extending
+    monkeypatch.setattr(DecodeKV, "attend_extending",
+                        lambda self, *a: attended.append((out := real(self, *a)) is not None) or out)
+    return attended
+
+
+def test_the_direct_carried_calls_equal_the_public_ones(model, monkeypatch):
+    """Carried decode steps: every layer after the first writes and attends through
+    ``carried_attend``; the logits and every cache equal a run where it always declines."""
+    from servelab.models import llama
+
+    taken = _count_carried(monkeypatch)
+    extending = _count_extending(monkeypatch)
+    runner, last = prefill(model)
+    direct = decode(runner, last, 5)
+    caches = written(runner)
+    layers = len(model.model.layers)
+    assert taken[:layers] == [False] * layers  # the prefill step: nothing carried
+    per_step = [taken[i:i + layers] for i in range(layers, len(taken), layers)]
+    # The first layer of a step takes the public, checked calls; the others the direct ones.
+    assert per_step == [[False] + [True] * (layers - 1)] * 5
+    assert sum(extending) >= 4 * (layers - 1)  # the steps after the first extend their buffers
+    model.reset_attention_state()
+    monkeypatch.setattr(llama._StepAttention, "carried_attend", lambda self, *a, **k: None)
+    runner, last = prefill(model)
+    public = decode(runner, last, 5)
+    for a, b in zip(direct, public):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, written(runner)):
+        assert torch.equal(a, b)
+
+
+def test_an_overriding_backend_is_never_bypassed(model, monkeypatch):
+    """A researcher's backend that overrides the write or the attention gets every layer's call."""
+    from servelab.attention.backends import SdpaAttentionBackend
+
+    calls = []
+
+    class Counting(SdpaAttentionBackend):
+        name = "counting-sdpa"
+
+        def _paged_attention(self, *args, **kwargs):
+            calls.append(1)
+            return super()._paged_attention(*args, **kwargs)
+
+    model.attention = Counting()
+    try:
+        taken = _count_carried(monkeypatch)
+        runner, last = prefill(model)
+        decode(runner, last, 3)
+        assert not any(taken) and len(calls) == 4 * len(model.model.layers)
+    finally:
+        model.attention = "sdpa"
+        model.reset_attention_state()
