@@ -16,7 +16,13 @@ N = 1024.
 
 Usage::
 
-    python bench/scheduler_cpu_time.py [--num-running 1024] [--steps 96] [--no-record]
+    python bench/scheduler_cpu_time.py [--num-running 1024] [--steps 96] [--threads 1,2] [--no-record]
+
+Threads: the scheduler is single-threaded Python and never calls torch, so
+``torch.set_num_threads`` should not change its cost; ``--threads 1,2`` times it
+at each count anyway (alternating, so both share the same stretch of a shared
+machine's time) and records the count in each row's ``params``, so that every
+figure of the thread-scaling work carries its count.
 """
 
 from __future__ import annotations
@@ -34,26 +40,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-running", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    import torch
     from results_io import append_rows, make_row, percentiles
 
     from servelab._internal.frozen_heap import frozen_heap
 
-    n = args.num_running
-    with frozen_heap():
-        per_request = timed_steps(n, args.steps)
-    live = statistics.fmean(timed_steps(n, args.steps))
-    q = percentiles(per_request)
-    mean = statistics.fmean(per_request)
-    print(f"{n} running: us per request per step p20 {q['p20']:.2f} p50 {q['p50']:.2f} p80 {q['p80']:.2f} "
-          f"mean {mean:.2f}; mean with the whole heap live to the collector {live:.2f} (CPU time)")
+    n, rows = args.num_running, []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        with frozen_heap():
+            per_request = timed_steps(n, args.steps)
+        live = statistics.fmean(timed_steps(n, args.steps))
+        q = percentiles(per_request)
+        mean = statistics.fmean(per_request)
+        print(f"{n} running, {threads} thread(s): us per request per step p20 {q['p20']:.2f} p50 {q['p50']:.2f} "
+              f"p80 {q['p80']:.2f} mean {mean:.2f}; mean with the whole heap live to the collector {live:.2f} "
+              "(CPU time)")
+        params = {"num_running": n, "threads": threads, "clock": "thread_time", "steps": args.steps,
+                  "heap": "frozen"}
+        rows += [make_row("scheduler", "servelab", "decode_cpu_us_per_request", "us", q["p50"], params=params, **q),
+                 make_row("scheduler", "servelab", "decode_cpu_us_per_request_mean", "us", mean, params=params),
+                 make_row("scheduler", "servelab", "decode_cpu_us_per_request_mean_live_heap", "us", live,
+                          params={**params, "heap": "live"})]
     if not args.no_record:
-        params = {"num_running": n, "threads": 1, "clock": "thread_time", "steps": args.steps, "heap": "frozen"}
-        rows = [make_row("scheduler", "servelab", "decode_cpu_us_per_request", "us", q["p50"], params=params, **q),
-                make_row("scheduler", "servelab", "decode_cpu_us_per_request_mean", "us", mean, params=params),
-                make_row("scheduler", "servelab", "decode_cpu_us_per_request_mean_live_heap", "us", live,
-                         params={**params, "heap": "live"})]
         print(f"rows appended to {append_rows(rows)}")
     return 0
 

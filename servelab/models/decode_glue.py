@@ -34,6 +34,7 @@ unfused modules; ``SERVELAB_CPU_KERNELS=0`` turns it off with the other kernels.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +47,6 @@ from servelab.models.layers import RMSNorm, SwiGLUMLP
 from servelab.models.linear import Linear, weight_panels
 
 _library = cpu_decode.LibraryOnce()  # the hot path calls _library.lib
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class GlueParts(NamedTuple):
@@ -57,6 +57,7 @@ class GlueParts(NamedTuple):
     post_norm: RMSNorm
     gemms: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]  # (panels, bias): QKV, O, gate_up, down
     intermediate: int
+    hidden: int  # the width of the rows it takes (its norms' weights)
 
 
 def _no_global_hooks() -> bool:
@@ -73,8 +74,10 @@ def parts(layer: torch.nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, t
     ``attention_type``: the attention class the glue knows (the caller's, ``LlamaAttention``).
     Each kernel's conditions are asked of its own module (``cpu_gemm.usable``,
     ``linear.weight_panels``, ``cpu_norm.usable``, ``cpu_rope.tables_usable``); the rest are the
-    module docstring's, in cheap queries (dict lookups, no module ``__getattr__``): this runs once
-    per layer and step.
+    module docstring's. This runs once per layer and step, where asking everything cost ~27 us
+    of Python a layer (~55 us inside a step, a tenth of a small model's decode step), so what
+    depends on the layer alone is asked once and kept with the layer's :func:`_layer_state`
+    (asked again when that changes), and the tables' answer is kept for the step's tables.
     """
     if not (0 < x.shape[0] <= cpu_gemm.MAX_ROWS and x.is_contiguous() and cpu_gemm.usable(x)
             and not torch.is_grad_enabled()):
@@ -82,7 +85,33 @@ def parts(layer: torch.nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, t
     if (_library() is None or not _no_global_hooks() or torch._C._get_tracing_state()
             or torch.compiler.is_compiling()):
         return None
-    m: dict[str, Any] = layer._modules  # dict lookups: a module's __getattr__ costs ~0.5 us each
+    held = _layer_state(layer, attention_type)
+    if held is None:
+        return None
+    state = tuple(map(id, held[0])) + held[1]  # ids: stable while the memo holds the objects
+    memo = _memo.get(layer)
+    if memo is None or memo[0] != state:
+        memo = _memo[layer] = (state, _layer_parts(layer), held[0])
+    glue: GlueParts | None = memo[1]
+    # x is a contiguous float32 CPU [rows, K] outside autograd (above): cpu_norm.usable's conditions
+    # on it are its width, which _layer_parts asked of the norms' weights.
+    if glue is None or x.shape[1] != glue.hidden or not _tables_usable(tables, x.shape[0], glue.attention.head_dim):
+        return None
+    return glue
+
+
+# layer -> (its state when last asked, its GlueParts or None, the objects the state names by id)
+_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_state(layer: torch.nn.Module, attention_type: Any) -> tuple[tuple, tuple] | None:
+    """What :func:`_layer_parts` reads from ``layer``, in cheap queries (dict lookups, no module
+    ``__getattr__``), as (the objects, compared by identity; the values), or ``None`` when the
+    layer is not one the glue knows: its parts exactly servelab's classes, packing on, none with
+    a hook. Values: the panel kernel's build traits and each GEMM weight's data pointer and
+    in-place version (its panels are a copy; the norms' weights and the biases are read at every
+    call, so only their identity counts)."""
+    m: dict[str, Any] = layer._modules
     attn: Any = m.get("self_attn")
     mlp: Any = m.get("mlp")
     n1, n2 = m.get("input_layernorm"), m.get("post_attention_layernorm")
@@ -91,19 +120,59 @@ def parts(layer: torch.nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, t
         return None
     linears: tuple[Any, ...] = (attn._modules.get("qkv_proj"), attn._modules.get("o_proj"),
                                 mlp._modules.get("gate_up_proj"), mlp._modules.get("down_proj"))
-    if (not all(type(lin) is Linear and lin.pack_weights for lin in linears)
-            or not all(cpu_norm.usable(x, _weight(n)) for n in (n1, n2))  # h has x's shape
-            or not cpu_rope.tables_usable(*tables, x.shape[0], attn.head_dim) or attn.head_dim % 2
-            or any(getattr(mod, hooks) for mod in (layer, attn, mlp, n1, n2, *linears) for hooks in _HOOKS)):
+    if not all(type(lin) is Linear and lin.pack_weights for lin in linears):
+        return None
+    mods: tuple[Any, ...] = (layer, attn, mlp, n1, n2, *linears)
+    for mod in mods:
+        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
+            return None
+    objects: list[Any] = [attn, mlp, n1, n2, *linears, _weight(n1), _weight(n2)]
+    values: list[Any] = [cpu_gemm.preferred(), cpu_gemm.panel_width()]
+    for lin in linears:
+        params = lin._parameters
+        weight = params["weight"]
+        objects += (weight, params.get("bias"))
+        values += (weight.data_ptr(), _version(weight))
+    return tuple(objects), tuple(values)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference-mode tensor keeps no version (and cannot change in place outside it)
+        return None
+
+
+def _layer_parts(layer: torch.nn.Module) -> GlueParts | None:
+    """The :class:`GlueParts` of a layer :func:`_layer_state` accepted, or ``None`` when a weight or
+    bias is not one the panel kernel takes (``linear.weight_panels``) or a norm's weight is not one
+    the norm kernel takes (``cpu_norm.usable``, asked with a row of the width the glue will pass)."""
+    m: dict[str, Any] = layer._modules
+    attn, mlp, n1, n2 = m["self_attn"], m["mlp"], m["input_layernorm"], m["post_attention_layernorm"]
+    hidden = _weight(n1).shape[0]
+    row = torch.empty(1, hidden, dtype=torch.float32, device="cpu")
+    if attn.head_dim % 2 or not all(cpu_norm.usable(row, _weight(n)) for n in (n1, n2)):
         return None
     gemms = []
-    for lin in linears:
+    for lin in (attn._modules["qkv_proj"], attn._modules["o_proj"], mlp._modules["gate_up_proj"],
+                mlp._modules["down_proj"]):
         weight, bias = _weight(lin), lin._parameters.get("bias")
         panels = weight_panels(weight, bias, lin._packed_weight())
         if panels is None:
             return None
         gemms.append((panels, bias))
-    return GlueParts(attn, n1, n2, tuple(gemms), mlp.intermediate_size)
+    return GlueParts(attn, n1, n2, tuple(gemms), mlp.intermediate_size, hidden)
+
+
+def _tables_usable(tables: tuple[torch.Tensor, torch.Tensor], rows: int, head_dim: int) -> bool:
+    """``cpu_rope.tables_usable``, its answer kept for the last tables asked (the step's, the same
+    tensors for every layer) in this thread."""
+    last = getattr(_thread_scratch, "tables", None)
+    if last is not None and last[0] is tables[0] and last[1] is tables[1] and last[2] == (rows, head_dim):
+        return last[3]
+    ok = cpu_rope.tables_usable(*tables, rows, head_dim)
+    _thread_scratch.tables = (tables[0], tables[1], (rows, head_dim), ok)
+    return ok
 
 
 def _weight(module: torch.nn.Module) -> Any:

@@ -101,9 +101,14 @@ def test_a_plain_layer_is_glued(model):
 @pytest.mark.parametrize("case", ["grad", "many_rows", "float64", "no_packing", "not_preferred", "no_library",
                                   "tracing", "module_hook", "global_hook", "swapped_mlp", "odd_rows_layout",
                                   "strided_tables"])
-def test_every_other_case_keeps_the_modules(model, monkeypatch, case):
-    """Each condition of decode_glue.parts refuses on its own (the others holding)."""
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after_a_glued_call"])
+def test_every_other_case_keeps_the_modules(model, monkeypatch, case, warm):
+    """Each condition of decode_glue.parts refuses on its own (the others holding), also when the
+    layer was glued before the change (what parts keeps per layer must notice it)."""
     layer, x = model.model.layers[0], decode_rows(model)
+    if warm:
+        with torch.inference_mode():
+            assert decode_glue.parts(layer, x, rope_tables(model, 2), LlamaAttention) is not None
     tables = None
     handles = []
     if case == "many_rows":
@@ -147,6 +152,31 @@ def test_a_hooked_module_is_called_in_a_pipeline(model, monkeypatch):
     _, _, calls = run(model, [[5, 6, 7], [9] * 12], 4, glue=True, monkeypatch=monkeypatch)
     assert seen == [15, 2, 2, 2]  # the prefill's 15 rows, then three decode steps of 2
     assert calls == 4  # layer 0 glued on every step (15 rows are few too), layer 1 never
+
+
+@pytest.mark.parametrize("change", ["in_place", "new_parameter"])
+def test_weights_changed_after_glued_steps_are_the_ones_used(kernel_library, monkeypatch, change):
+    """A layer glued on earlier steps, then its weights changed (in place, or a new parameter of the
+    same shape): the next steps use the new weights, as the modules do."""
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+    prompts = [[5, 6, 7], [9] * 12]
+
+    def edit(model):
+        lin = model.model.layers[1].mlp.down_proj
+        with torch.no_grad():
+            if change == "in_place":
+                lin.weight.mul_(-2.0)
+            else:
+                lin.weight = nn.Parameter(lin.weight.detach() * -2.0, requires_grad=False)
+
+    glued_model, plain_model = tiny_model(), tiny_model()
+    run(glued_model, prompts, 2, glue=True, monkeypatch=monkeypatch)  # glued: its parts are kept
+    edit(glued_model)
+    edit(plain_model)
+    glued, _, calls = run(glued_model, prompts, 3, glue=True, monkeypatch=monkeypatch)
+    plain, _, _ = run(plain_model, prompts, 3, glue=False, monkeypatch=monkeypatch)
+    assert calls == 3 * 2
+    assert all(torch.equal(a, b) for a, b in zip(glued, plain))
 
 
 def test_a_changed_default_dtype_does_not_reach_the_c_buffers(kernel_library, monkeypatch):
