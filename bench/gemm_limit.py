@@ -96,27 +96,33 @@ def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
 
 class AttentionClock:
     """Seconds spent inside the model's attention ops during ``Pipeline.step()``s: every
-    layer's ``reshape_and_cache`` and ``paged_attention`` (plans, gathers and the kernel
-    included), timed by wrapping the two methods of the model's per-step attention view
-    (:class:`servelab.models.llama._StepAttention`) while the clock is on. It runs on the
-    timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
+    layer's ``reshape_and_cache`` and ``paged_attention``, or its ``carried_attend`` (the two
+    in direct calls, on carried decode steps) — plans, gathers and the kernel included —, timed
+    by wrapping those methods of the model's per-step attention view
+    (:class:`servelab.models.llama._StepAttention`) while the clock is on; a call made inside
+    another (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on
+    the timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
 
     def __init__(self) -> None:
         self.spent = 0.0
+        self.depth = 0
 
     def __enter__(self) -> "AttentionClock":
         from servelab.models import llama
 
         self.owner, self.originals = llama._StepAttention, {}
-        for name in ("reshape_and_cache", "paged_attention"):
+        for name in ("reshape_and_cache", "paged_attention", "carried_attend"):
             original = self.originals[name] = getattr(self.owner, name)
 
             def timed(*args, _original=original, **kwargs):
                 start = time.perf_counter()
+                self.depth += 1
                 try:
                     return _original(*args, **kwargs)
                 finally:
-                    self.spent += time.perf_counter() - start
+                    self.depth -= 1
+                    if not self.depth:
+                        self.spent += time.perf_counter() - start
 
             setattr(self.owner, name, timed)
         return self
