@@ -320,7 +320,7 @@ class DecodeKV:
                 or key_cache.dtype is not torch.float32 or value_cache.dtype is not torch.float32
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())
                 or key_cache.shape != value_cache.shape or key_cache.shape[3] != query.shape[2] or query.stride(2) != 1
-                or query.stride(1) != query.shape[2]):
+                or query.stride(1) != query.shape[2] or query.shape[0] != len(self.row_lens_host)):
             return None
         if not self._slots_within(key_cache.shape[0] * key_cache.shape[1]):
             return None

@@ -189,3 +189,20 @@ def test_an_overriding_backend_is_never_bypassed(model, monkeypatch):
     finally:
         model.attention = "sdpa"
         model.reset_attention_state()
+
+
+def test_the_direct_attention_refuses_a_query_of_another_step(model):
+    """``DecodeKV.attend_extending`` answers only a query with the step's rows (its kernel reads
+    one buffer row per query row): any other count is refused, not read out of bounds."""
+    runner, last = prefill(model)
+    decode(runner, last, 3)
+    decode_kv = model.__dict__["_plan_memory"][2][None].decode_kv
+    key_cache, value_cache = runner.caches.views[1]
+    heads, head_dim = model.config.num_attention_heads, model.config.head_dim
+    try:
+        for rows in (2, 4):
+            query = torch.zeros(rows, heads, head_dim)
+            assert decode_kv.attend_extending(query, key_cache, value_cache, 1.0) is None
+        assert decode_kv.attend_extending(torch.zeros(3, heads, head_dim), key_cache, value_cache, 1.0) is not None
+    finally:
+        model.reset_attention_state()
