@@ -314,8 +314,9 @@ class DecodeKV:
         itself. The same kernel call as the general path, without its views and re-derived sizes
         (~40 us of a layer's ~90 us of Python in a SmolLM2 batch-16 step). Returns float32
         ``[n, Hq, D]``; ``None``: take the general path (:meth:`attend`)."""
-        buffers = self.buffers.get((key_cache.data_ptr(), value_cache.data_ptr(), torch.float32)) \
-            if self.extends else None
+        if not self.extends:
+            return None
+        buffers = self.buffers.get((key_cache.data_ptr(), value_cache.data_ptr(), torch.float32))
         if (buffers is None or not buffers[2] or query.dtype is not torch.float32 or not query.is_cpu
                 or key_cache.dtype is not torch.float32 or value_cache.dtype is not torch.float32
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())
