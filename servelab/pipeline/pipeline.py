@@ -390,6 +390,14 @@ class Pipeline(BatchRuns, OutputDelivery):
         return True
 
     def has_unfinished_requests(self) -> bool:
+        # A final output the scheduler built outside a step (a request it ended while an interrupted
+        # schedule() put it back) is still this pipeline's to deliver: kept with the others, for
+        # step(). Those of requests already ended here (a generate() that aborted what it started)
+        # would be no-ops there, so they are dropped.
+        for out in self.scheduler.take_pending_outputs():
+            tracked = self._tracked.get(out.request_id)
+            if tracked is not None and not tracked.done:
+                self._pending.append(out)
         return self.scheduler.has_unfinished_requests() or bool(self._events) or bool(self._pending)
 
     def get_output(self, request_id: str, *, pop: bool = False) -> GenerationOutput:

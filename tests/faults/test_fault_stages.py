@@ -86,3 +86,23 @@ def test_an_interrupt_while_failing_a_delivery_keeps_the_other_outputs(backend):
         driver.drain_and_check(probe=0)
     finally:
         uninstrument(driver.pipe)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_a_request_ended_by_an_interrupted_schedule_is_still_delivered(backend):
+    """Found by the state machine: ``schedule()`` is interrupted in ``on_tokens_scheduled``, and
+    putting the request back fails in ``key()``, so the scheduler ends it (its final output kept
+    for the next step) and holds nothing else. ``has_unfinished_requests()`` must still say so,
+    or a loop on it stops with the request never ended."""
+    driver = Driver(backend, pool_slack=0, max_num_seqs=1, budget=4)
+    try:
+        rid = driver.add(0, "greedy", 1)
+        driver.plan.arm(Fault("policy_key", "error"))
+        driver.plan.arm(Fault("policy_tokens", "interrupt"))
+        driver.step()
+        assert [f.stage for f in driver.plan.fired] == ["policy_tokens", "policy_key"]
+        assert driver.pipe.has_unfinished_requests()
+        driver.drain_and_check(probe=0)
+        assert driver.ended[rid] == 1
+    finally:
+        uninstrument(driver.pipe)
