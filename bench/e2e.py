@@ -18,6 +18,13 @@ Workloads (``--workloads``, comma-separated):
   ``generate`` (batches of ``--hf-batch`` in arrival order, each started once
   its last request has arrived and the previous batch is done; a streamer
   gives its TTFT / TPOT) stays as a second row, ``transformers-fixed-batch``.
+  Two arrival rates by default (``--online-rate 64,512``): at 64/s servelab
+  keeps up with the arrivals (TTFT p50 a few ms), so its throughput is the
+  arrival process's, about the offered load, and its ratio to a saturated peer
+  is a lower bound; at 512/s every engine is saturated, so throughput is each
+  engine's capacity. Each row says which: ``throughput_over_offered``, the
+  engine's throughput over the offered load (output tokens over the arrival
+  span); near 1 means it kept up.
 
 Peers on the batch workloads: ``transformers`` (left-padded batched
 ``generate``, ``attn_implementation="sdpa"``) and ``transformers-cb``
@@ -173,42 +180,59 @@ def run_batch(name: str, repeats: int, threads: list[int], record: list) -> list
 ONLINE_ENGINES = ("servelab", "transformers-cb", "transformers-fixed-batch")
 
 
+def offered_token_rate(requests) -> float:
+    """Output tokens per second the workload asks for: its output tokens over its arrival span. An
+    engine whose throughput is near it keeps up with the arrivals (its throughput is then the
+    arrival process's, not its own capacity); one well below it is saturated."""
+    span = requests[-1][0] - requests[0][0]
+    return sum(olen for _, _, olen in requests) / span if span > 0 else float("inf")
+
+
 def run_online(args, threads: list[int], record: list) -> list[dict]:
+    """Every online engine at every thread count and arrival rate (``--online-rate``, comma-separated)."""
     with tempfile.TemporaryDirectory() as tmp:
         path, what = checkpoint("tiny", Path(tmp))
         hf, hf_cb = load_hf(path), load_hf_cb(path)
-        requests = online_requests(args.online_requests, args.online_rate, 0, hf.config.vocab_size)
         pipe = make_pipeline(path, 64, 512 + 256 + 16)
-    serve = {"servelab": lambda: serve_online_servelab(pipe, requests),
-             "transformers-cb": lambda: serve_online_hf_cb(hf_cb, requests),
-             "transformers-fixed-batch": lambda: serve_online_hf(hf, requests, args.hf_batch)}
-    runs = {(e, t): [] for e in ONLINE_ENGINES for t in threads}
-    for rep in range(args.repeats):
-        for t in threads:
-            torch.set_num_threads(t)
-            for k in range(len(ONLINE_ENGINES)):
-                engine = ONLINE_ENGINES[(k + rep) % len(ONLINE_ENGINES)]
-                runs[engine, t].append(serve[engine]())
-                print(f"  online repeat {rep} threads {t} {engine}: {runs[engine, t][-1]['throughput']:.1f} tok/s",
-                      flush=True)
     results = []
-    for t in threads:
-        result = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
-                      hf_batch=args.hf_batch, threads=t)
-        params_row = dict(workload="online", model=what, requests=len(requests), rate=args.online_rate,
-                          hf_batch=args.hf_batch, threads=t, repeats=args.repeats)
-        for engine in ONLINE_ENGINES:
-            for key, unit in (("throughput", "tok/s"), ("ttft_p50", "s"), ("ttft_p90", "s"), ("tpot_p50", "s")):
-                values = [s[key] for s in runs[engine, t]]
-                result[f"{engine}_{key}"] = statistics.median(values)
-                record.append(("e2e", engine, key, unit, result[f"{engine}_{key}"], params_row, values))
-        for peer in ONLINE_ENGINES[1:]:
-            per_repeat = [a["throughput"] / b["throughput"] for a, b in zip(runs["servelab", t], runs[peer, t])]
-            result[f"ratio_{peer}"] = result["servelab_throughput"] / result[f"{peer}_throughput"]
-            record.append(("e2e", "servelab", f"throughput_ratio_vs_{peer}", "ratio", result[f"ratio_{peer}"],
-                           params_row, per_repeat))
-        results.append(result)
+    for rate in (float(r) for r in str(args.online_rate).split(",")):
+        requests = online_requests(args.online_requests, rate, 0, hf.config.vocab_size)
+        serve = {"servelab": lambda: serve_online_servelab(pipe, requests),
+                 "transformers-cb": lambda: serve_online_hf_cb(hf_cb, requests),
+                 "transformers-fixed-batch": lambda: serve_online_hf(hf, requests, args.hf_batch)}
+        runs = {(e, t): [] for e in ONLINE_ENGINES for t in threads}
+        for rep in range(args.repeats):
+            for t in threads:
+                torch.set_num_threads(t)
+                for k in range(len(ONLINE_ENGINES)):
+                    engine = ONLINE_ENGINES[(k + rep) % len(ONLINE_ENGINES)]
+                    runs[engine, t].append(serve[engine]())
+                    print(f"  online {rate:g}/s repeat {rep} threads {t} {engine}: "
+                          f"{runs[engine, t][-1]['throughput']:.1f} tok/s", flush=True)
+        results += [online_result(args, what, requests, rate, t, runs, record) for t in threads]
     return results
+
+
+def online_result(args, what: str, requests, rate: float, t: int, runs: dict, record: list) -> dict:
+    """One (rate, thread count)'s medians and ratios, its rows appended to ``record``."""
+    offered = offered_token_rate(requests)
+    params_row = dict(workload="online", model=what, requests=len(requests), rate=rate, hf_batch=args.hf_batch,
+                      threads=t, repeats=args.repeats)
+    result = dict(params_row, offered=offered)
+    record.append(("e2e", "workload", "offered_token_rate", "tok/s", offered, params_row, None))
+    for engine in ONLINE_ENGINES:
+        for key, unit in (("throughput", "tok/s"), ("ttft_p50", "s"), ("ttft_p90", "s"), ("tpot_p50", "s")):
+            values = [s[key] for s in runs[engine, t]]
+            result[f"{engine}_{key}"] = statistics.median(values)
+            record.append(("e2e", engine, key, unit, result[f"{engine}_{key}"], params_row, values))
+        result[f"{engine}_load"] = result[f"{engine}_throughput"] / offered
+        record.append(("e2e", engine, "throughput_over_offered", "ratio", result[f"{engine}_load"], params_row, None))
+    for peer in ONLINE_ENGINES[1:]:
+        per_repeat = [a["throughput"] / b["throughput"] for a, b in zip(runs["servelab", t], runs[peer, t])]
+        result[f"ratio_{peer}"] = result["servelab_throughput"] / result[f"{peer}_throughput"]
+        record.append(("e2e", "servelab", f"throughput_ratio_vs_{peer}", "ratio", result[f"ratio_{peer}"],
+                       params_row, per_repeat))
+    return result
 
 
 # ---- peak memory in a child process ---------------------------------------------------------
@@ -278,10 +302,15 @@ def report(results: list[dict], rss: dict, threads: list[int]) -> str:
             continue
         lines += ["", f"Online, {r['threads']} thread(s): {r['requests']} requests, Poisson {r['rate']}/s, lognormal "
                   f"lengths, {r['model']}.", "",
-                  "| engine | throughput tok/s | TTFT p50 s | TTFT p90 s | TPOT p50 ms |", "|---|---|---|---|---|"]
+                  "| engine | throughput tok/s | throughput / offered | TTFT p50 s | TTFT p90 s | TPOT p50 ms |",
+                  "|---|---|---|---|---|---|"]
         for engine in ONLINE_ENGINES:
-            lines.append(f"| {engine} | {r[f'{engine}_throughput']:.1f} | {r[f'{engine}_ttft_p50']:.3f} | "
-                         f"{r[f'{engine}_ttft_p90']:.3f} | {1e3 * r[f'{engine}_tpot_p50']:.2f} |")
+            lines.append(f"| {engine} | {r[f'{engine}_throughput']:.1f} | {r[f'{engine}_load']:.2f} | "
+                         f"{r[f'{engine}_ttft_p50']:.3f} | {r[f'{engine}_ttft_p90']:.3f} | "
+                         f"{1e3 * r[f'{engine}_tpot_p50']:.2f} |")
+        lines.append(f"\nOffered load {r['offered']:.0f} output tok/s (output tokens over the arrival span): an "
+                     "engine near 1.00 keeps up with the arrivals, so its throughput is the arrival process's "
+                     "and a ratio against it is a lower bound on the capacity ratio.")
         lines.append(f"\nThroughput ratio: **{r['ratio_transformers-cb']:.2f}x** vs continuous batching, "
                      f"{r['ratio_transformers-fixed-batch']:.2f}x vs fixed batches of {r['hf_batch']}.")
     return "\n".join(lines)
@@ -293,8 +322,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--online-requests", type=int, default=128)
-    parser.add_argument("--online-rate", type=float, default=64.0,
-                        help="Poisson arrivals per second (64: above capacity, so throughput measures the engine)")
+    parser.add_argument("--online-rate", default="64,512",
+                        help="Poisson arrivals per second, comma-separated (64: servelab keeps up with it, so its "
+                             "throughput is bounded by the arrivals; 512: every engine saturated, so throughput "
+                             "measures the engine)")
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--no-record", action="store_true",

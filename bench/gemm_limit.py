@@ -27,8 +27,16 @@ Where the rest of the step goes, per row:
   request's context, every layer, float32) over the read bandwidth measured
   in the same round (``read_bandwidth``: ``torch.sum`` over >= 256 MiB): what
   attention would cost if it only streamed its data once at the machine's
-  rate. ``(GEMM + kv_read_floor) / GEMM`` is the lowest ``step_over_gemm``
-  any engine could reach on this step without shrinking its K/V;
+  rate. ``(GEMM + kv_read_floor) / GEMM`` (``gemm_plus_floor_over_gemm``) is
+  the lowest ``step_over_gemm`` any engine could reach on this step without
+  shrinking its K/V or keeping it in cache across the weights' stream;
+- ``attention_kernel_cold`` / ``_warm``: the C attention kernel's own time per
+  step, as the step runs it (cold: the layer's weights streamed through the
+  caches since its K/V was last read) and the same calls repeated at once
+  (warm: that K/V in L2/L3), on extra decode steps after each round
+  (:func:`kernel_cold_and_warm`). Warm is the kernel's arithmetic at this
+  thread count: where it is near the read floor, attention is compute-bound
+  too, and prefetching alone cannot bring cold below it;
 - ``rest_of_step``: step - GEMM - attention: norms, RoPE, SiLU, residual
   adds, the embedding, argmax, scheduling, input preparation and bookkeeping.
 
@@ -132,6 +140,40 @@ class AttentionClock:
             setattr(self.owner, name, original)
 
 
+def kernel_cold_and_warm(pipe, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds per decode step inside the C attention kernel (``cpu_decode._decode_attention``, every
+    layer's one call) as the step runs it, cold (its K/V streamed from memory: the layer's weights
+    evicted them), and the same calls made again at once, warm (the layer's few MB of K/V then in
+    L2/L3): the warm time is the kernel's arithmetic at this thread count, a floor under the cold
+    one that no prefetching reaches. Over ``steps`` extra decode steps (the second call repeats the
+    first's copy of the new row: the same bytes). Empty lists when the kernel does not run."""
+    from servelab.attention import cpu_decode
+
+    original, spent = cpu_decode._decode_attention, [0.0, 0.0]
+
+    def twice(*args):
+        start = time.perf_counter()
+        out = original(*args)
+        middle = time.perf_counter()
+        original(*args)
+        spent[0] += middle - start
+        spent[1] += time.perf_counter() - middle
+        return out
+
+    cold, warm = [], []
+    cpu_decode._decode_attention = twice
+    try:
+        for _ in range(steps):
+            spent[:] = [0.0, 0.0]
+            pipe.step()
+            if spent[0]:
+                cold.append(spent[0])
+                warm.append(spent[1])
+    finally:
+        cpu_decode._decode_attention = original
+    return cold, warm
+
+
 def read_bandwidth(num_bytes: int, repeats: int = 3) -> float:
     """Bytes per second of the fastest of ``repeats`` ``torch.sum`` passes over a fresh
     float32 buffer of ``num_bytes`` (at least 256 MiB, so it streams from memory):
@@ -163,17 +205,17 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     conditions)."""
     from servelab.samplers import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=rounds * steps * len(threads) + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * rounds * steps * len(threads) + 8, ignore_eos=True)
     rids = [pipe.add_request(p, params, detokenize=False) for p in prompts]
     scheduler = pipe.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    out: dict[int, tuple[list[float], ...]] = {t: ([], [], [], [], [], []) for t in threads}
+    out: dict[int, tuple[list[float], ...]] = {t: ([], [], [], [], [], [], [], []) for t in threads}
     for _ in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            times, gemms, matmuls, attention, floors, bandwidths = out[t]
+            times, gemms, matmuls, attention, floors, bandwidths, cold, warm = out[t]
             with AttentionClock() as clock:
                 for _ in range(steps):
                     clock.spent = 0.0
@@ -186,11 +228,42 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
             kv_bytes = kv_bytes_per_step(pipe, model)
             bandwidths.append(read_bandwidth(kv_bytes))
             floors.append(kv_bytes / bandwidths[-1])
+            kernel = kernel_cold_and_warm(pipe, steps)
+            cold += kernel[0]
+            warm += kernel[1]
     for rid in rids:
         pipe.abort_request(rid)
     while pipe.has_unfinished_requests():
         pipe.step()
     return out
+
+
+def report_row(batch: int, threads: int, timed: tuple[list[float], ...]) -> list[tuple]:
+    """Print one (batch, thread count)'s table row; return its (metric, unit, value, p20/p50/p80) items."""
+    step, gemm, matmul, attention = (percentiles(samples) for samples in timed[:4])
+    floor, bandwidth = statistics.median(timed[4]), statistics.median(timed[5])
+    cold, warm = (statistics.median(v) if v else float("nan") for v in timed[6:8])
+    ratio, matmul_ratio, floor_ratio = step[1] / gemm[1], step[1] / matmul[1], (gemm[1] + floor) / gemm[1]
+    rest = step[1] - gemm[1] - attention[1]
+    print(f"| {batch} | {threads} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
+          f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} | "
+          f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} | {1e3 * attention[1]:.1f} | "
+          f"{1e3 * floor:.1f} ({bandwidth / 1e9:.1f} GB/s) | {floor_ratio:.3f} | {1e3 * cold:.1f} / {1e3 * warm:.1f} | "
+          f"{1e3 * rest:.1f} |", flush=True)
+    kernel = [("attention_kernel_cold", "ms", 1e3 * cold, None),
+              ("attention_kernel_warm", "ms", 1e3 * warm, None)] if timed[6] else []
+    return kernel + [
+        ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
+        ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
+        ("step_over_gemm", "ratio", ratio, None),
+        ("matmul_only_step", "ms", 1e3 * matmul[1], [1e3 * m for m in matmul]),
+        ("step_over_matmul", "ratio", matmul_ratio, None),
+        ("attention_in_step", "ms", 1e3 * attention[1], [1e3 * a for a in attention]),
+        ("kv_read_floor", "ms", 1e3 * floor, None),
+        ("gemm_plus_floor_over_gemm", "ratio", floor_ratio, None),
+        ("read_bandwidth", "GB/s", bandwidth / 1e9, None),
+        ("rest_of_step", "ms", 1e3 * rest, None),
+    ]
 
 
 def main() -> int:
@@ -220,7 +293,7 @@ def main() -> int:
         else:
             path, model_name = build(args.model, Path(tmp)), args.model
         model, config = load_model(path)
-    max_model_len = args.context + args.rounds * args.steps * len(threads) + 64
+    max_model_len = args.context + 2 * args.rounds * args.steps * len(threads) + 64
     # A pool that holds the largest batch whole (the default, sized from the
     # weights, would preempt at batch 64 and time a smaller batch).
     num_blocks = max(batches) * -(-max_model_len // 16) + 1
@@ -235,34 +308,16 @@ def main() -> int:
     print(f"model {model_name}, backend {args.backend}, threads {threads}, context {args.context}\n")
     print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms, model's kernel (p20/p50/p80) | "
           "step / GEMM | torch.matmul-only ms | step / matmul | attention in step ms | its K/V read floor ms "
-          "| rest of step ms |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| (GEMM + floor) / GEMM | attention kernel ms, cold / warm | rest of step ms |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
         timed = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds, threads)
         for t in threads:
-            step, gemm, matmul, attention = (percentiles(samples) for samples in timed[t][:4])
-            floor, bandwidth = statistics.median(timed[t][4]), statistics.median(timed[t][5])
-            ratio, matmul_ratio = step[1] / gemm[1], step[1] / matmul[1]
-            rest = step[1] - gemm[1] - attention[1]
-            print(f"| {batch} | {t} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
-                  f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} | "
-                  f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} | {1e3 * attention[1]:.1f} | "
-                  f"{1e3 * floor:.1f} ({bandwidth / 1e9:.1f} GB/s) | {1e3 * rest:.1f} |", flush=True)
             params = dict(model=model_name, batch=batch, context=args.context, backend=args.backend, threads=t,
                           steps=args.steps * args.rounds, packed_weights=model.pack_weights,
                           omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
-            items = [
-                ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
-                ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
-                ("step_over_gemm", "ratio", ratio, None),
-                ("matmul_only_step", "ms", 1e3 * matmul[1], [1e3 * m for m in matmul]),
-                ("step_over_matmul", "ratio", matmul_ratio, None),
-                ("attention_in_step", "ms", 1e3 * attention[1], [1e3 * a for a in attention]),
-                ("kv_read_floor", "ms", 1e3 * floor, None),
-                ("read_bandwidth", "GB/s", bandwidth / 1e9, None),
-                ("rest_of_step", "ms", 1e3 * rest, None),
-            ]
-            lines.append((params, items))
+            lines.append((params, report_row(batch, t, timed[t])))
     if not args.no_record:
         from results_io import append_rows, make_row
 
