@@ -119,7 +119,8 @@ def bench_vllm() -> dict[str, list[float]]:
 
 
 def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None,
-           ratios: dict[str, list[float]] | None = None, rounds: int = 1, clock: str = "wall") -> None:
+           ratios: dict[str, list[float]] | None = None, rounds: int = 1, clock: str = "wall",
+           threads: int = 1) -> None:
     """Rows for ``results[implementation][cycle]`` into bench/results/results.csv
     (vLLM rows carry the versions of the interpreter that ran them), and one
     ``servelab_vs_vllm`` ratio row per cycle (p20/p50/p80 over the rounds)."""
@@ -133,13 +134,13 @@ def record(results: dict[str, dict[str, list[float]]], vllm_python: str | None,
             q = percentiles(rates)
             rows.append(make_row("block_pool", impl, "ops_per_s", "ops/s", q["p50"],
                                  params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
-                                         "rounds": rounds, "repeats": REPEATS, "threads": 1, "clock": clock},
+                                         "rounds": rounds, "repeats": REPEATS, "threads": threads, "clock": clock},
                                  **q, extra_versions=vllm_versions if impl == "vllm" else None))
     for cycle, rs in (ratios or {}).items():
         q = percentiles(rs)
         rows.append(make_row("block_pool", "servelab_vs_vllm", "ratio", "x", q["p50"],
                              params={"cycle": cycle, "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE,
-                                     "rounds": rounds, "repeats": REPEATS, "threads": 1, "clock": clock,
+                                     "rounds": rounds, "repeats": REPEATS, "threads": threads, "clock": clock,
                                      "load_avg_1m": round(os.getloadavg()[0], 2)},
                              **q, extra_versions=vllm_versions))
     print(f"results: {append_rows(rows)}")
@@ -154,6 +155,8 @@ def main() -> int:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or the process's CPU time (a shared, loaded machine)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (servelab, then vLLM; default 3)")
+    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2); each "
+                        "round runs both pools at each count")
     parser.add_argument("--no-record", action="store_true", help="do not append rows to results.csv")
     parser.add_argument("--only", choices=["servelab", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -162,52 +165,75 @@ def main() -> int:
     REPEATS, SCALE = args.repeats, args.scale
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.only:
+        set_threads(int(args.threads))
         print(json.dumps(bench_servelab() if args.only == "servelab" else bench_vllm()))
         return 0
 
-    rounds = []  # interleaved: servelab, then vLLM, per round (the machine's load drifts between rounds)
+    threads = [int(t) for t in args.threads.split(",")]
+    rounds: dict[int, list] = {t: [] for t in threads}  # per count: (servelab, vLLM) of each round
     note = ""
-    for _ in range(args.rounds):
-        ours = bench_servelab()
-        theirs = None
-        try:
-            import vllm  # noqa: F401
+    for _ in range(args.rounds):  # interleaved: servelab, then vLLM, each count (the machine's load drifts)
+        for t in threads:
+            set_threads(t)
+            ours, (theirs, note) = bench_servelab(), vllm_round(args, t)
+            if theirs is None and note.startswith("vLLM failed"):
+                print(note, file=sys.stderr)
+                return 1
+            rounds[t].append((ours, theirs))
+    for t in threads:
+        merged, ratios = summarize(rounds[t], t)
+        if note:
+            print(note)
+        if not args.no_record:
+            record(merged, args.vllm_python, ratios, args.rounds, args.clock, t)
+    return 0
 
-            theirs = bench_vllm()
-        except ImportError:
-            if args.vllm_python:
-                cmd = [args.vllm_python, __file__, "--only", "vllm", "--repeats", str(REPEATS), "--scale", str(SCALE),
-                       "--clock", args.clock]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(proc.stderr[-2000:], file=sys.stderr)
-                    return 1
-                theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-            else:
-                note = "vLLM is not importable here; pass --vllm-python (an environment with vLLM). Skipped."
-        rounds.append((ours, theirs))
 
+def set_threads(count: int) -> None:
+    """``torch.set_num_threads(count)`` where torch is loaded (neither pool calls it: the count is
+    set, as in every other benchmark of the thread-scaling work, so that each row states it)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(count)
+
+
+def vllm_round(args, threads: int) -> tuple[dict | None, str]:
+    """One round of vLLM's pool, here or in ``--vllm-python``'s process: (its rates or None, a note)."""
+    try:
+        import vllm  # noqa: F401
+
+        return bench_vllm(), ""
+    except ImportError:
+        if not args.vllm_python:
+            return None, "vLLM is not importable here; pass --vllm-python (an environment with vLLM). Skipped."
+    cmd = [args.vllm_python, __file__, "--only", "vllm", "--repeats", str(REPEATS), "--scale", str(SCALE),
+           "--clock", args.clock, "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, f"vLLM failed in {args.vllm_python}:\n{proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def summarize(rounds: list, threads: int) -> tuple[dict, dict[str, list[float]]]:
+    """Print one thread count's table; return (every repeat's rates per implementation and cycle,
+    the servelab / vLLM ratio of each round's medians per cycle)."""
     merged = {impl: {c: [x for r in rounds if r[k] for x in r[k][c]] for c in rounds[0][0]}
               for k, impl in ((0, "servelab"), (1, "vllm")) if rounds[0][k]}
-    print(f"{'cycle (median ops/s)':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}"
+    print(f"\n{threads} thread(s)\n{'cycle (median ops/s)':<24}{'servelab ops/s':>16}{'vLLM ops/s':>14}"
           f"{'ratio p50 [min-max over rounds]':>34}")
     ratios: dict[str, list[float]] = {}
     for name, rates in merged["servelab"].items():
         value = statistics.median(rates)
         if "vllm" in merged:
-            ratios[name] = [statistics.median(o[name]) / statistics.median(t[name]) for o, t in rounds]
+            ratios[name] = r = [statistics.median(o[name]) / statistics.median(t[name]) for o, t in rounds]
             other = statistics.median(merged["vllm"][name])
-            r = ratios[name]
             print(f"{name:<24}{value:>16,.0f}{other:>14,.0f}{statistics.median(r):>14.2f} "
                   f"[{min(r):.2f}-{max(r):.2f}]")
         else:
             print(f"{name:<24}{value:>16,.0f}{'-':>14}{'-':>8}")
-    if note:
-        print(note)
-    if not args.no_record:
-        record(merged, args.vllm_python, ratios, args.rounds, args.clock)
-    return 0
-
+    return merged, ratios
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,7 @@ Where the rest of the step goes, per row:
 - ``attention_kernel_cold`` / ``_warm``: the C attention kernel's own time per
   step, as the step runs it (cold: the layer's weights streamed through the
   caches since its K/V was last read) and the same calls repeated at once
-  (warm: that K/V in L2/L3), on extra decode steps after each round
+  (warm: that K/V in L2/L3), on :data:`KERNEL_STEPS` extra decode steps after each round
   (:func:`kernel_cold_and_warm`). Warm is the kernel's arithmetic at this
   thread count: where it is near the read floor, attention is compute-bound
   too, and prefetching alone cannot bring cold below it;
@@ -140,6 +140,11 @@ class AttentionClock:
             setattr(self.owner, name, original)
 
 
+#: extra decode steps per round and thread count timing the attention kernel cold and warm (few: each
+#: makes every context one token longer, and the rows' contexts are ``--context`` plus the steps run)
+KERNEL_STEPS = 3
+
+
 def kernel_cold_and_warm(pipe, steps: int) -> tuple[list[float], list[float]]:
     """Seconds per decode step inside the C attention kernel (``cpu_decode._decode_attention``, every
     layer's one call) as the step runs it, cold (its K/V streamed from memory: the layer's weights
@@ -205,7 +210,8 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     conditions)."""
     from servelab.samplers import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=2 * rounds * steps * len(threads) + 8, ignore_eos=True)
+    max_tokens = rounds * (steps + KERNEL_STEPS) * len(threads) + 8
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rids = [pipe.add_request(p, params, detokenize=False) for p in prompts]
     scheduler = pipe.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
@@ -228,7 +234,7 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
             kv_bytes = kv_bytes_per_step(pipe, model)
             bandwidths.append(read_bandwidth(kv_bytes))
             floors.append(kv_bytes / bandwidths[-1])
-            kernel = kernel_cold_and_warm(pipe, steps)
+            kernel = kernel_cold_and_warm(pipe, KERNEL_STEPS)
             cold += kernel[0]
             warm += kernel[1]
     for rid in rids:
@@ -293,7 +299,7 @@ def main() -> int:
         else:
             path, model_name = build(args.model, Path(tmp)), args.model
         model, config = load_model(path)
-    max_model_len = args.context + 2 * args.rounds * args.steps * len(threads) + 64
+    max_model_len = args.context + args.rounds * (args.steps + KERNEL_STEPS) * len(threads) + 64
     # A pool that holds the largest batch whole (the default, sized from the
     # weights, would preempt at batch 64 and time a smaller batch).
     num_blocks = max(batches) * -(-max_model_len // 16) + 1
