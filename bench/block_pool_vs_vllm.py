@@ -235,5 +235,6 @@ def summarize(rounds: list, threads: int) -> tuple[dict, dict[str, list[float]]]
             print(f"{name:<24}{value:>16,.0f}{'-':>14}{'-':>8}")
     return merged, ratios
 
+
 if __name__ == "__main__":
     sys.exit(main())

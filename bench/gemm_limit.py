@@ -207,7 +207,8 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     """Per thread count: seconds per ``Pipeline.step()`` once every request is decoding, and
     per GEMM-only step, measured in alternating rounds of ``steps`` each (a shared machine's
     speed drifts over seconds; interleaving gives both, and every thread count, the same
-    conditions)."""
+    conditions); with them, per round, the attention clock's share, the K/V read floor and
+    bandwidth, and the kernel's cold and warm times (:func:`kernel_cold_and_warm`): eight lists."""
     from servelab.samplers import SamplingParams
 
     max_tokens = rounds * (steps + KERNEL_STEPS) * len(threads) + 8
