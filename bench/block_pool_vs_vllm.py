@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from options import comma_separated  # bench/ is sys.path[0] when run as a script
+
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
 HIT_BLOCKS = 16
@@ -155,8 +157,9 @@ def main() -> int:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall time, or the process's CPU time (a shared, loaded machine)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (servelab, then vLLM; default 3)")
-    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2); each "
-                        "round runs both pools at each count")
+    parser.add_argument("--threads", default="1", type=comma_separated(int),
+                        help="torch thread counts, comma-separated (e.g. 1,2); each round runs both pools at "
+                             "each count")
     parser.add_argument("--no-record", action="store_true", help="do not append rows to results.csv")
     parser.add_argument("--only", choices=["servelab", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,11 +168,11 @@ def main() -> int:
     REPEATS, SCALE = args.repeats, args.scale
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.only:
-        set_threads(int(args.threads))
+        set_threads(args.threads[0])
         print(json.dumps(bench_servelab() if args.only == "servelab" else bench_vllm()))
         return 0
 
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = args.threads
     rounds: dict[int, list] = {t: [] for t in threads}  # per count: (servelab, vLLM) of each round
     note = ""
     for _ in range(args.rounds):  # interleaved: servelab, then vLLM, each count (the machine's load drifts)

@@ -85,6 +85,7 @@ from e2e_peers import (  # noqa: E402 (bench/ is sys.path[0] when run as a scrip
     hf_generate, hf_generate_batch, load_hf, load_hf_cb, make_pipeline, online_requests, serve_online_hf,
     serve_online_hf_cb, serve_online_servelab,
 )
+from options import comma_separated  # noqa: E402
 from profile_step import build, workload  # noqa: E402
 
 BATCH = {"tiny": dict(num_prompts=16, prompt=(8, 64), max_tokens=32),
@@ -195,7 +196,7 @@ def run_online(args, threads: list[int], record: list) -> list[dict]:
         hf, hf_cb = load_hf(path), load_hf_cb(path)
         pipe = make_pipeline(path, 64, 512 + 256 + 16)
     results = []
-    for rate in (float(r) for r in str(args.online_rate).split(",")):
+    for rate in args.online_rate:
         requests = online_requests(args.online_requests, rate, 0, hf.config.vocab_size)
         serve = {"servelab": lambda: serve_online_servelab(pipe, requests),
                  "transformers-cb": lambda: serve_online_hf_cb(hf_cb, requests),
@@ -209,14 +210,16 @@ def run_online(args, threads: list[int], record: list) -> list[dict]:
                     runs[engine, t].append(serve[engine]())
                     print(f"  online {rate:g}/s repeat {rep} threads {t} {engine}: "
                           f"{runs[engine, t][-1]['throughput']:.1f} tok/s", flush=True)
-        results += [online_result(args, what, requests, rate, t, runs, record) for t in threads]
+        offered = offered_token_rate(requests)
+        results += [online_result(args, what, len(requests), rate, offered, t, runs, record) for t in threads]
     return results
 
 
-def online_result(args, what: str, requests, rate: float, t: int, runs: dict, record: list) -> dict:
-    """One (rate, thread count)'s medians and ratios, its rows appended to ``record``."""
-    offered = offered_token_rate(requests)
-    params_row = dict(workload="online", model=what, requests=len(requests), rate=rate, hf_batch=args.hf_batch,
+def online_result(args, what: str, num_requests: int, rate: float, offered: float, t: int, runs: dict,
+                  record: list) -> dict:
+    """One (rate, thread count)'s medians and ratios (``offered``: :func:`offered_token_rate` of the
+    workload), its rows appended to ``record``."""
+    params_row = dict(workload="online", model=what, requests=num_requests, rate=rate, hf_batch=args.hf_batch,
                       threads=t, repeats=args.repeats)
     result = dict(params_row, offered=offered)
     record.append(("e2e", "workload", "offered_token_rate", "tok/s", offered, params_row, None))
@@ -320,9 +323,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="tiny,smollm2,online")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
+    parser.add_argument("--threads", default="1", type=comma_separated(int),
+                        help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--online-requests", type=int, default=128)
-    parser.add_argument("--online-rate", default="64,512",
+    parser.add_argument("--online-rate", default="64,512", type=comma_separated(float),
                         help="Poisson arrivals per second, comma-separated (64: servelab keeps up with it, so its "
                              "throughput is bounded by the arrivals; 512: every engine saturated, so throughput "
                              "measures the engine)")
@@ -334,7 +338,7 @@ def main() -> int:
                         "record is the rows of results.csv: python bench/plot.py --markdown --component e2e)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = args.threads
     torch.set_num_threads(threads[0])
     names = args.workloads.split(",")
     if args.child:

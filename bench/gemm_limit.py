@@ -68,7 +68,8 @@ from pathlib import Path
 
 import torch
 
-from profile_step import build, workload  # noqa: E402 (bench/ is sys.path[0] when run as a script)
+from options import comma_separated  # noqa: E402 (bench/ is sys.path[0] when run as a script)
+from profile_step import build, workload  # noqa: E402
 
 
 def percentiles(samples: list[float]) -> tuple[float, float, float]:
@@ -278,20 +279,21 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (the real SmolLM2-135M-Instruct when fetched, else random weights of "
                              "its shapes), tiny, smollm2-shape, or a checkpoint folder")
-    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--batches", default="1,16,64", type=comma_separated(int))
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=10, help="decode steps (and GEMM-only steps) per round")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of decode and GEMM-only timing")
     parser.add_argument("--backend", default="sdpa")
-    parser.add_argument("--threads", default="1", help="torch thread counts, comma-separated (e.g. 1,2)")
+    parser.add_argument("--threads", default="1", type=comma_separated(int),
+                        help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
     args = parser.parse_args()
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = args.threads
     torch.set_num_threads(threads[0])
     from servelab import Pipeline
     from servelab.models import load_model
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "smollm2":
             from e2e import checkpoint
