@@ -94,6 +94,8 @@ class OutputDelivery:
 
     def _take_events(self) -> list[StreamEvent]:
         events, self._events = self._events, []
+        if self._parallel.families:  # children's events become their parent's (SamplingParams.n > 1)
+            return self._parallel.regroup(self, events)
         return events
 
     def _flush(self, tracked: Tracked) -> str:

@@ -17,6 +17,22 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``): ``index`` is its
+    place among the request's ``SamplingParams.n`` completions; the other
+    fields are :class:`GenerationOutput`'s for that completion."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[Any] | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
 class GenerationOutput:
     """The result of one request.
 
@@ -52,6 +68,9 @@ class GenerationOutput:
         structured_violations: with ``StructuredOutputsParams(validate=True)``
             and ``finish_reason == "stop"``, why the output is not valid under
             the schema (empty list: it is valid); None when not checked.
+        completions: with ``SamplingParams(n > 1)``, the ``n`` children's
+            outputs in completion order (None for ``n == 1``); the fields above
+            then mirror completion 0, and :attr:`outputs` lists all ``n``.
     """
 
     request_id: str
@@ -68,10 +87,18 @@ class GenerationOutput:
     prompt_logprobs: list[Any] | None = None
     structured_unenforced: list[str] | None = None
     structured_violations: list[str] | None = None
+    completions: list[GenerationOutput] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The request's completions, as vLLM's ``RequestOutput.outputs`` (one when ``n == 1``)."""
+        sources = self.completions if self.completions is not None else [self]
+        return [CompletionOutput(i, out.text, out.token_ids, out.finish_reason, out.stop_reason, out.error,
+                                 out.logprobs, out.metrics) for i, out in enumerate(sources)]
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +113,11 @@ class StreamEvent:
     (text may lag tokens: characters that could still begin a stop string, or
     an incomplete UTF-8 character, are held back). The final event has
     ``finished=True`` and ``finish_reason`` set (and ``error`` for failures).
+
+    With ``SamplingParams(n > 1)`` a request's events carry the completion
+    they belong to in ``completion_index``; ``finish_reason`` is set on the
+    last event of each completion, and ``finished`` only on the request's
+    last event (every completion has ended).
     """
 
     request_id: str
@@ -95,3 +127,4 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    completion_index: int = 0

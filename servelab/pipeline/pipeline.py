@@ -57,6 +57,7 @@ from servelab.pipeline.detokenizer import IncrementalDetokenizer
 from servelab.pipeline.inputs import RenderedPrompt, prompt_token_ids, request_params
 from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
+from servelab.pipeline.parallel_sampling import ParallelSampling
 from servelab.pipeline.hybrid import HybridModelRunner, allocate_group_kv_caches
 from servelab.pipeline.runner import ModelRunner
 from servelab.pipeline.setup import (
@@ -138,6 +139,7 @@ class Pipeline(BatchRuns, OutputDelivery):
         self._tracked: dict[str, Tracked] = {}
         self._events: list[StreamEvent] = []
         self._counter = itertools.count()
+        self._parallel = ParallelSampling()  # SamplingParams(n > 1): parents and their children
         self._recorder = self._new_recorder()
         self.last_run_metrics: RunMetrics | None = None
         self.last_outputs: list[GenerationOutput] = []
@@ -316,7 +318,11 @@ class Pipeline(BatchRuns, OutputDelivery):
         only a duplicate ``request_id`` raises ``ValueError`` (nothing queued).
 
         ``detokenize=False`` skips streaming detokenization (the text is decoded
-        once at the end) unless the request has stop strings."""
+        once at the end) unless the request has stop strings. ``SamplingParams(n > 1)``
+        fans out to ``n`` children (:mod:`servelab.pipeline.parallel_sampling`)."""
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
+            return self._parallel.add(self, prompt, sampling_params, request_id=request_id, priority=priority,
+                                      index=index, detokenize=detokenize)
         if request_id is None:
             number, rid = self._new_request_id()
         else:
@@ -370,6 +376,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.done or tracked.request is None:
             return False
+        if request_id in self._parallel.families:  # a parent of n > 1 children: they all end
+            return self._parallel.abort(self, request_id)
         interrupted: BaseException | None = None
         try:
             self.scheduler.abort_request(request_id)

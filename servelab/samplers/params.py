@@ -123,6 +123,11 @@ class SamplingParams:
       holds the resolved sequences and may be given directly.
     - ``extra_args``: free-form per-request arguments for custom logits
       processors (the sampler never reads it).
+    - ``n`` >= 1: completions sampled for the prompt (parallel sampling). The
+      pipeline prefills the prompt once and fans out ``n`` child requests
+      that share its KV blocks through prefix caching, child ``i`` sampling
+      with its own seed stream (:func:`servelab.pipeline.parallel_sampling.child_seed`);
+      the request's ``GenerationOutput.outputs`` holds the ``n`` completions.
     - ``structured_outputs``: None or a
       :class:`~servelab.samplers.structured.StructuredOutputsParams` (JSON
       schema, regex, EBNF grammar or choice list). The pipeline compiles it when
@@ -153,6 +158,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     extra_args: Mapping[str, Any] | None = field(default=None, compare=False)
     structured_outputs: Any = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         """Validate and normalise every field, one named step per group."""
@@ -169,6 +175,7 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
             raise TypeError(f"SamplingParams.extra_args must be a mapping, got {type(self.extra_args).__name__}")
         self._check_structured_outputs()
+        check_int(_field("n"), self.n, min_value=1)
 
     def _check_structured_outputs(self) -> None:
         """structured_outputs: a StructuredOutputsParams; a grammar ends with EOS, so not with ignore_eos."""
