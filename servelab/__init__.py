@@ -36,6 +36,9 @@ _LAZY = {
     "CacheConfig": "servelab.config",
     "SchedulingConfig": "servelab.config",
     "SpeculativeConfig": "servelab.config",
+    "LoRAConfig": "servelab.config",
+    "ParallelConfig": "servelab.config",
+    # pieces of this stage add their public names here: "LoRARequest", "AsyncPipeline", ...
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,15 +1,19 @@
 """``PipelineConfig``: the one place every setting of a :class:`~servelab.Pipeline` has its default.
 
-Three frozen sections and two top-level settings::
+Five frozen sections and top-level settings::
 
     PipelineConfig(
         cache=CacheConfig(block_size=16, num_blocks=None, enable_prefix_caching=True,
-                          kv_cache_memory_bytes=None, eviction_policy="lru", kv_cache_groups="auto"),
+                          kv_cache_memory_bytes=None, eviction_policy="lru", kv_cache_groups="auto",
+                          kv_cache_dtype="auto", kv_cache_scale=None),
         scheduler=SchedulingConfig(policy="fcfs", max_num_seqs=256, max_num_batched_tokens=2048,
                                    long_prefill_token_threshold=0, max_model_len=None,
                                    enable_chunked_prefill=True),
         speculative=SpeculativeConfig(drafter=None, num_speculative_tokens=0, verifier="rejection"),
-        attention_backend="auto", seed=0, max_logprobs=20, grammar_backend="xgrammar")
+        lora=LoRAConfig(enable_lora=False, max_loras=1, max_lora_rank=16, max_cpu_loras=None),
+        parallel=ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                                distributed_executor_backend=None, enable_expert_parallel=False),
+        attention_backend="auto", seed=0, max_logprobs=20, grammar_backend="xgrammar", quantization="auto")
 
 Every setting has one name in every layer (``enable_prefix_caching`` here, in
 ``Pipeline(...)`` and in ``from_pretrained(...)``; the block layer's
@@ -44,7 +48,8 @@ from typing import Any
 
 from servelab._internal.validation import check_bool, check_int
 
-__all__ = ["CacheConfig", "PipelineConfig", "SchedulerConfig", "SchedulingConfig", "SpeculativeConfig", "flat_names"]
+__all__ = ["CacheConfig", "LoRAConfig", "ParallelConfig", "PipelineConfig", "SchedulerConfig", "SchedulingConfig",
+           "SpeculativeConfig", "flat_names"]
 
 
 def _int(section: str, name: str, value: object, minimum: int, *, optional: bool = False) -> None:
@@ -132,6 +137,18 @@ class SchedulerConfig:
 
 
 KV_CACHE_GROUPS = ("auto", "uniform")
+#: ``kv_cache_dtype`` values (vLLM's names): ``"auto"`` stores the model's dtype; ``"fp8"`` is
+#: ``"fp8_e4m3"``. What each means for pages and kernels: :mod:`servelab.blocks.kv_quant`.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+#: ``kv_cache_scale`` granularities: one scale per layer (``"tensor"``), per KV head (``"head"``), or per
+#: token and KV head written beside the data (``"token_head"``). None: the dtype's default.
+KV_CACHE_SCALES = ("tensor", "head", "token_head")
+
+
+def _choice(section: str, name: str, value: object, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise (TypeError if not isinstance(value, str) else ValueError)(
+            f"{section}.{name}={value!r} is invalid; valid: {', '.join(map(repr, valid))}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +181,12 @@ class CacheConfig:
             request holds blocks in each group (see
             :mod:`servelab.pipeline.hybrid`; the default pool spends the
             same bytes either way).
+        kv_cache_dtype: what the pages store (:data:`KV_CACHE_DTYPES`):
+            ``"auto"`` (the model's dtype), ``"fp8"``/``"fp8_e4m3"``,
+            ``"fp8_e5m2"``, ``"int8"`` (quantized with scales; the attention
+            backend dequantizes as it reads and refuses a dtype it cannot read).
+        kv_cache_scale: scale granularity of a quantized cache
+            (:data:`KV_CACHE_SCALES`); None: the dtype's default.
     """
 
     block_size: int = 16
@@ -172,8 +195,17 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     eviction_policy: Any = "lru"
     kv_cache_groups: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_scale: str | None = None
 
     def __post_init__(self) -> None:
+        _choice("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_scale is not None:
+            _choice("CacheConfig", "kv_cache_scale", self.kv_cache_scale, KV_CACHE_SCALES)
+            if self.kv_cache_dtype == "auto":
+                raise ValueError(f"CacheConfig.kv_cache_scale={self.kv_cache_scale!r} is given with "
+                                 "kv_cache_dtype='auto', whose pages hold no scales; choose a quantized "
+                                 f"kv_cache_dtype ({', '.join(map(repr, KV_CACHE_DTYPES[1:]))}) or leave the scale out")
         if self.kv_cache_groups not in KV_CACHE_GROUPS:
             raise (TypeError if not isinstance(self.kv_cache_groups, str) else ValueError)(
                 f"CacheConfig.kv_cache_groups={self.kv_cache_groups!r} is invalid; valid: "
@@ -183,6 +215,9 @@ class CacheConfig:
         _bool("CacheConfig", "enable_prefix_caching", self.enable_prefix_caching)
         _int("CacheConfig", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _name_or_object("CacheConfig", "eviction_policy", self.eviction_policy)
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError(f"CacheConfig.num_blocks={self.num_blocks} and kv_cache_memory_bytes="
+                             f"{self.kv_cache_memory_bytes} were both given, and each sizes the pool; give one")
 
 
 @dataclass(frozen=True)
@@ -252,8 +287,72 @@ class SpeculativeConfig:
         return self.drafter is not None
 
 
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "speculative": SpeculativeConfig}
-_TOP_LEVEL = ("attention_backend", "seed", "max_logprobs", "grammar_backend")
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters on the base model (:mod:`servelab.lora`; vLLM's names).
+
+    Attributes:
+        enable_lora: wrap the model's linear layers so requests can name an
+            adapter (``LoRARequest``); False refuses requests that do.
+        max_loras: adapter slots active at once, so the most distinct adapters
+            in one step (the scheduler keeps a step within it).
+        max_lora_rank: largest adapter rank accepted (the slots' buffer width).
+        max_cpu_loras: adapters kept loaded on the host (an LRU); None: ``max_loras``.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _bool("LoRAConfig", "enable_lora", self.enable_lora)
+        _int("LoRAConfig", "max_loras", self.max_loras, 1)
+        _int("LoRAConfig", "max_lora_rank", self.max_lora_rank, 1)
+        _int("LoRAConfig", "max_cpu_loras", self.max_cpu_loras, 1, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"LoRAConfig.max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}; "
+                             "every active adapter is also held on the host, so valid: max_cpu_loras >= max_loras")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over processes (:mod:`servelab.executor`; vLLM's names).
+
+    Attributes:
+        tensor_parallel_size: ranks each layer is split over (column/row-parallel).
+        pipeline_parallel_size: stages the layers are split into.
+        data_parallel_size: whole replicas behind a router.
+        distributed_executor_backend: a registered executor name (``"uniproc"``,
+            ``"multiproc"``, ``"ray"``) or an executor object; None: ``"uniproc"``
+            for one rank, else ``"multiproc"``.
+        enable_expert_parallel: shard a MoE model's experts over the tensor-parallel
+            ranks instead of splitting each expert.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Any = None
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _int("ParallelConfig", "tensor_parallel_size", self.tensor_parallel_size, 1)
+        _int("ParallelConfig", "pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _int("ParallelConfig", "data_parallel_size", self.data_parallel_size, 1)
+        _name_or_object("ParallelConfig", "distributed_executor_backend", self.distributed_executor_backend,
+                        optional=True)
+        _bool("ParallelConfig", "enable_expert_parallel", self.enable_expert_parallel)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulingConfig, "speculative": SpeculativeConfig,
+             "lora": LoRAConfig, "parallel": ParallelConfig}
+_TOP_LEVEL = ("attention_backend", "seed", "max_logprobs", "grammar_backend", "quantization")
 
 
 def flat_names() -> dict[str, str]:
@@ -277,15 +376,23 @@ class PipelineConfig:
         grammar_backend: compiles the grammars of structured-output requests:
             a registered name (``"xgrammar"``, the default; imported only when
             a request carries a grammar) or a ``GrammarBackend`` object.
+        quantization: the model's weight format (:mod:`servelab.quantization`):
+            ``"auto"`` (what the checkpoint holds: a GGUF file keeps its
+            blocks), None / ``"none"`` (float weights), a registered method
+            (``"int8"``, ``"w4a16"``) applied to a float model, or a structured
+            spec with ``targets`` and ``ignore``.
     """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: Any = "auto"
     seed: int | None = 0
     max_logprobs: int = 20
     grammar_backend: Any = "xgrammar"
+    quantization: Any = "auto"
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
@@ -298,6 +405,10 @@ class PipelineConfig:
                             "or None")
         _int("PipelineConfig", "max_logprobs", self.max_logprobs, 0)
         _name_or_object("PipelineConfig", "grammar_backend", self.grammar_backend)
+        if self.quantization is not None and not isinstance(self.quantization, str) \
+                and not hasattr(self.quantization, "resolve") and not isinstance(self.quantization, dict):
+            raise TypeError(f"PipelineConfig.quantization={self.quantization!r} is invalid; valid: 'auto', None, "
+                            "'none', a registered method name ('int8', 'w4a16', ...), a dict spec or a QuantSpec")
 
     @classmethod
     def from_kwargs(cls, **settings: Any) -> PipelineConfig:

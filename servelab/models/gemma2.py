@@ -37,6 +37,7 @@ from torch import nn
 from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RotaryEmbedding, apply_rotary
 from servelab.models.linear import Linear
+from servelab.models.layer_api import gate_up_slices, qkv_slices, set_output_slices
 from servelab.models.llama import LlamaForCausalLM, _StepAttention, layer_attentions
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
@@ -64,6 +65,7 @@ class GeGLUMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        set_output_slices(self.gate_up_proj, gate_up_slices(intermediate_size))  # HF's gate/up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -124,6 +126,7 @@ class Gemma2Attention(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
+        set_output_slices(self.qkv_proj, qkv_slices(self.q_size, self.kv_size))  # HF's q/k/v_proj (layer_api)
 
     def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""

@@ -15,6 +15,7 @@ from torch import nn
 from servelab.models import cpu_norm
 from servelab.models.config import ModelConfig
 from servelab.models.linear import Linear
+from servelab.models.layer_api import gate_up_slices, set_output_slices
 
 
 _FUSED_NORM_DTYPES = (torch.float32, torch.float64) if hasattr(torch, "rms_norm") else ()
@@ -60,6 +61,7 @@ class SwiGLUMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, **kw)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **kw)
+        set_output_slices(self.gate_up_proj, gate_up_slices(intermediate_size))  # HF's gate/up_proj (layer_api)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, n = self.gate_up_proj(x), self.intermediate_size

@@ -36,6 +36,7 @@ from servelab.models import cpu_rope, decode_glue
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.linear import Linear, PackedWeight, linear
+from servelab.models.layer_api import qkv_slices, set_output_slices
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -231,6 +232,7 @@ class LlamaAttention(nn.Module):
         # Rows: [q (num_heads*head_dim) | k (num_kv_heads*head_dim) | v (same)].
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, **kw)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
+        set_output_slices(self.qkv_proj, qkv_slices(self.q_size, self.kv_size))  # HF's q/k/v_proj (layer_api)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:

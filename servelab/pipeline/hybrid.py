@@ -53,7 +53,8 @@ from servelab.blocks.specs import request_blocks_cap
 from servelab.models import GroupedAttentionMetadata
 from servelab.models.metadata import AttentionMetadata
 from servelab.pipeline.runner import CachedRequestState, ModelRunner, null_released_blocks
-from servelab.pipeline.sizing import default_kv_cache_budget
+from servelab.pipeline.sizing import blocks_for_budget, check_pool_fits, default_kv_cache_budget
+from servelab.config import PipelineConfig
 
 __all__ = ["HybridModelRunner", "allocate_group_kv_caches", "build_hybrid_kv_cache_manager",
            "default_num_blocks_hybrid", "layer_kv_cache_specs", "wants_kv_cache_groups"]
@@ -95,27 +96,41 @@ def default_num_blocks_hybrid(groups: Sequence[KVCacheGroup], num_layers: int, *
     in_flight = tokens if max_num_batched_tokens is None else max_num_batched_tokens
     per_seq = sum(request_blocks_cap(g.spec, tokens, in_flight) for g in groups)
     wanted = max_num_seqs * per_seq + 1
+    given = kv_cache_memory_bytes is not None
     if kv_cache_memory_bytes is None:
         per_token = -(-first.page_size_bytes * num_layers // first.block_size)
         kv_cache_memory_bytes = default_kv_cache_budget(model, bytes_per_token=per_token, max_model_len=tokens,
                                                         device=device)
-    group_size = max(len(g.layer_indices) for g in groups) or -(-num_layers // len(groups))
-    affordable = int(kv_cache_memory_bytes) // (first.page_size_bytes * group_size)
+    affordable = blocks_for_budget(kv_cache_memory_bytes, group_block_bytes(groups, num_layers),
+                                   given=given)
     return max(min(wanted, affordable), 2)
 
 
-def build_hybrid_kv_cache_manager(cache: Any, model: Any, max_model_len: int, *, max_num_seqs: int,
-                                  num_speculative_tokens: int,
-                                  max_num_batched_tokens: int | None = None) -> HybridKVCacheManager:
-    """A :class:`~servelab.blocks.HybridKVCacheManager` for ``model``'s layer kinds,
-    sized by ``cache`` (a :class:`~servelab.config.CacheConfig`)."""
+def group_block_bytes(groups: Sequence[KVCacheGroup], num_layers: int) -> int:
+    """Bytes of one pool block of ``groups``: one page in each of ``group_size`` layers."""
+    group_size = max(len(g.layer_indices) for g in groups) or -(-num_layers // len(groups))
+    return groups[0].spec.page_size_bytes * group_size
+
+
+def build_hybrid_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: int) -> HybridKVCacheManager:
+    """A :class:`~servelab.blocks.HybridKVCacheManager` for ``model``'s layer kinds, sized by the
+    resolved ``config`` (its cache, scheduling and speculative sections), checked to fit in memory."""
+    cache = config.cache
     groups = make_kv_cache_groups(layer_kv_cache_specs(model, cache.block_size, model.dtype))
+    num_layers = model.config.num_hidden_layers
     num_blocks = cache.num_blocks
     if num_blocks is None:
         num_blocks = default_num_blocks_hybrid(
-            groups, model.config.num_hidden_layers, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            num_speculative_tokens=num_speculative_tokens, max_num_batched_tokens=max_num_batched_tokens,
+            groups, num_layers, max_model_len=max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             kv_cache_memory_bytes=cache.kv_cache_memory_bytes, model=model, device=model.device)
+        setting, value = ("kv_cache_memory_bytes", cache.kv_cache_memory_bytes) \
+            if cache.kv_cache_memory_bytes is not None else ("num_blocks (the default pool)", num_blocks)
+    else:
+        setting, value = "num_blocks", num_blocks
+    check_pool_fits(num_blocks, group_block_bytes(groups, num_layers), setting=setting, value=value,
+                    device=model.device)
     return HybridKVCacheManager(groups, num_blocks, cache.enable_prefix_caching, max_model_len=max_model_len,
                                 eviction_policy=cache.eviction_policy)
 

@@ -67,6 +67,7 @@ from servelab.pipeline.setup import (
     build_scheduler,
     check_attention,
     check_manager,
+    prepare_model,
     resolve_max_model_len,
     scheduler_kv_cache_manager,
 )
@@ -131,15 +132,16 @@ class Pipeline(BatchRuns, OutputDelivery):
                  clock: Callable[[], float] = time.perf_counter, **settings: Any) -> None:
         kv_cache_manager = scheduler_kv_cache_manager(scheduler, kv_cache_manager)
         self.config = self._resolve_config(config, settings, kv_cache_manager)
+        model = prepare_model(model, self.config)
         self._attach_model(model, tokenizer, clock)
         self._build_kv_cache(kv_cache_manager)
         self.kv_connector = self._bind_kv_connector(kv_connector)
         self._build_scheduler(scheduler)
         self._build_runner(sampler)
         self._tracked: dict[str, Tracked] = {}
+        self._parallel = ParallelSampling()  # SamplingParams(n > 1): parents and their children
         self._events: list[StreamEvent] = []
         self._counter = itertools.count()
-        self._parallel = ParallelSampling()  # SamplingParams(n > 1): parents and their children
         self._recorder = self._new_recorder()
         self.last_run_metrics: RunMetrics | None = None
         self.last_outputs: list[GenerationOutput] = []
@@ -156,6 +158,10 @@ class Pipeline(BatchRuns, OutputDelivery):
         if kv_cache_manager is not None and given:
             raise ValueError(f"{', '.join(given)} given together with kv_cache_manager; the manager's own block "
                              "size, pool and caching are used, so leave these settings out")
+        if kv_cache_manager is not None:  # the manager's pool is the config's: resolved here, once
+            settings = {**settings, "block_size": kv_cache_manager.block_size,
+                        "num_blocks": kv_cache_manager.block_pool.num_blocks, "kv_cache_memory_bytes": None,
+                        "enable_prefix_caching": bool(kv_cache_manager.enable_caching)}
         return config.replace(**settings)
 
     def _attach_model(self, model: Any, tokenizer: Any, clock: Callable[[], float]) -> None:
@@ -183,9 +189,6 @@ class Pipeline(BatchRuns, OutputDelivery):
             manager = build_kv_cache_manager(self.config, model, self.max_model_len)
         else:
             check_manager(manager, model)
-            self.config = self.config.replace(block_size=manager.block_size,
-                                              num_blocks=manager.block_pool.num_blocks,
-                                              enable_prefix_caching=bool(manager.enable_caching))
         self.kv_cache_manager = manager
         self.block_size, self.num_blocks = manager.block_size, manager.block_pool.num_blocks
         self.attention_backend = attach_attention(model, self.config.attention_backend, self.block_size)
@@ -373,11 +376,11 @@ class Pipeline(BatchRuns, OutputDelivery):
 
     def abort_request(self, request_id: str) -> bool:
         """End a request now (finish reason "abort"); False if it is not running."""
+        if request_id in self._parallel.families:  # a parent of n > 1 children: they all end
+            return self._parallel.abort(self, request_id)
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.done or tracked.request is None:
             return False
-        if request_id in self._parallel.families:  # a parent of n > 1 children: they all end
-            return self._parallel.abort(self, request_id)
         interrupted: BaseException | None = None
         try:
             self.scheduler.abort_request(request_id)

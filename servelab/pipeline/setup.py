@@ -2,11 +2,29 @@
 from its :class:`~servelab.config.PipelineConfig`: the attention backend
 (``"auto"`` resolved against the model), the KV cache manager and its pool
 size, the drafter. Each function checks what it builds and says why it cannot.
+
+**One straight path.** The pipeline resolves its config once (flat settings
+into sections, checked), then builds each part in this order, every step
+reading the resolved config and the parts built before it, none writing the
+config back:
+
+1. the model (:func:`prepare_model`: sharding, weight quantization, LoRA
+   wrappers, in :data:`MODEL_STEPS` order, on the :mod:`servelab.models.layer_api`
+   interface);
+2. ``max_model_len`` (:func:`resolve_max_model_len`), the KV cache manager and
+   its pool (:func:`build_kv_cache_manager`; sizing in
+   :mod:`servelab.pipeline.sizing`, several groups in :mod:`servelab.pipeline.hybrid`);
+3. the attention backend and the paged buffers, checked together
+   (:func:`attach_attention`, :func:`check_attention`);
+4. the KV connector, the scheduler (:func:`build_scheduler`), the drafter
+   (:func:`build_drafter`) and the model runner.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +40,58 @@ from servelab.samplers.drafters import DraftModelDrafter, resolve_drafter
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.interfaces import SchedulerInterface
 from servelab.scheduling.schedulers import get_scheduler
-from servelab.pipeline.sizing import default_num_blocks
+from servelab.pipeline.sizing import check_pool_fits, default_num_blocks
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """One transformation of the model, applied by :func:`prepare_model` when ``active(config)``.
+
+    Attributes:
+        setting: the config setting it serves (named in refusals).
+        target: ``"module:function"``, imported only when active; the function takes
+            ``(model, config)`` and returns the model (changed in place or replaced).
+        active: whether the resolved config asks for this step.
+    """
+
+    setting: str
+    target: str
+    active: Callable[[PipelineConfig], bool]
+
+
+def _quantization_active(config: PipelineConfig) -> bool:
+    q = config.quantization
+    return not (q is None or (isinstance(q, str) and q in ("auto", "none")))
+
+
+#: The model steps in order: a layer is sharded first (each rank's slice of the float or
+#: checkpoint weight), then quantized (per shard), then wrapped for LoRA (over whatever it
+#: now is); see :mod:`servelab.models.layer_api`. Tensor-parallel sharding runs inside each
+#: rank's worker (:mod:`servelab.executor`), which calls :func:`prepare_model` with its rank.
+MODEL_STEPS: tuple[ModelStep, ...] = (
+    ModelStep("tensor_parallel_size", "servelab.executor.sharding:shard_model",
+              lambda c: c.parallel.tensor_parallel_size > 1),
+    ModelStep("quantization", "servelab.quantization.apply:quantize_model", _quantization_active),
+    ModelStep("enable_lora", "servelab.lora.apply:attach_lora", lambda c: c.lora.enable_lora),
+)
+
+
+def prepare_model(model: Any, config: PipelineConfig, *, steps: tuple[ModelStep, ...] = MODEL_STEPS,
+                  **context: Any) -> Any:
+    """``model`` with every active :data:`MODEL_STEPS` step applied, in order; ``context``
+    (e.g. a worker's ``rank``) is passed to the steps that take it. A step whose module is
+    missing from this build is refused naming its setting."""
+    for step in steps:
+        if not step.active(config):
+            continue
+        module_name, _, attr = step.target.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"{step.setting} is set, but this build of servelab has no {step.target} "
+                             f"to apply it ({err})") from None
+        model = function(model, config, **context)
+    return model
 
 
 def _probe(model: Any, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +159,21 @@ def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: in
     :class:`~servelab.blocks.HybridKVCacheManager` (see :mod:`servelab.pipeline.hybrid`)."""
     cache = config.cache
     if wants_kv_cache_groups(cache.kv_cache_groups, model):
-        return build_hybrid_kv_cache_manager(cache, model, max_model_len,
-                                             max_num_seqs=config.scheduler.max_num_seqs,
-                                             num_speculative_tokens=config.speculative.num_speculative_tokens,
-                                             max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        return build_hybrid_kv_cache_manager(config, model, max_model_len)
     spec = kv_cache_spec(model, cache.block_size, model.dtype)
+    num_layers = model.config.num_hidden_layers
     num_blocks = cache.num_blocks
+    setting, value = "num_blocks", num_blocks
     if num_blocks is None:
         num_blocks = default_num_blocks(
-            spec, model.config.num_hidden_layers, max_model_len=max_model_len,
+            spec, num_layers, max_model_len=max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             num_speculative_tokens=config.speculative.num_speculative_tokens,
             kv_cache_memory_bytes=cache.kv_cache_memory_bytes, model=model, device=model.device)
+        setting, value = ("kv_cache_memory_bytes", cache.kv_cache_memory_bytes) \
+            if cache.kv_cache_memory_bytes is not None else ("num_blocks (the default pool)", num_blocks)
+    check_pool_fits(num_blocks, spec.page_size_bytes * num_layers, setting=setting, value=value,
+                    device=model.device)
     return KVCacheManager(spec, num_blocks, cache.enable_prefix_caching, max_model_len=max_model_len,
                           eviction_policy=cache.eviction_policy)
 

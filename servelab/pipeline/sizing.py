@@ -13,8 +13,15 @@ The rule (used when ``num_blocks`` is None):
    ``torch.cuda.mem_get_info`` on a GPU) — but never below the one-sequence
    floor.
 
-The pool is the smaller of the two, at least 2 blocks (null block
-included). Why half the weights: on a CPU the KV cache competes with the
+The pool is the smaller of the two. A budget too small for 2 blocks (the
+null block and one usable block) is refused, not rounded up.
+
+**Bounds before allocation** (:func:`check_pool_fits`): whatever sized the pool
+(``num_blocks``, ``kv_cache_memory_bytes`` or the default), its pages and the
+block pool's own host bookkeeping (:data:`HOST_BYTES_PER_BLOCK` a block) must
+fit in the memory free on the device now; otherwise a ``ValueError`` names the
+setting, its value, the limit and what to do — before a byte is allocated (a
+billion blocks used to grow the process for minutes). Why half the weights: on a CPU the KV cache competes with the
 weights for the same RAM, and a serving run of a small model rarely holds
 more context than its weights are large (SmolLM2-135M in float32: 540 MB of
 weights, a 270 MB budget = 5,800 tokens = sixteen 360-token requests); vLLM's
@@ -34,6 +41,43 @@ import torch
 
 MIN_KV_CACHE_BYTES = 64 << 20
 """Smallest default budget (64 MiB)."""
+
+HOST_BYTES_PER_BLOCK = 512
+"""Host memory the block layer spends per pool block (its ``KVCacheBlock`` object, free-list links and
+hash-map entries: ~300-500 bytes measured on CPython 3.11), counted by :func:`check_pool_fits`."""
+
+
+def check_pool_fits(num_blocks: int, block_bytes: int, *, setting: str, value: object,
+                    device: torch.device | str = "cpu") -> None:
+    """``ValueError`` unless ``num_blocks`` blocks of ``block_bytes`` (all layers' pages of one block)
+    plus their host bookkeeping fit in the memory free now. ``setting=value`` is what sized the pool."""
+    device = torch.device(device)
+    free = available_memory_bytes(device)
+    need = num_blocks * block_bytes
+    host = num_blocks * HOST_BYTES_PER_BLOCK
+    if device.type == "cpu":
+        need += host
+    else:
+        host_free = available_memory_bytes("cpu")
+        if host_free is not None and host > host_free:
+            raise ValueError(f"{setting}={value!r} asks for {num_blocks:,} KV blocks, whose bookkeeping alone "
+                             f"needs {host / 2**30:.1f} GiB of host memory; {host_free / 2**30:.1f} GiB is free")
+    if free is not None and need > free:
+        fit = max(free // (block_bytes + (HOST_BYTES_PER_BLOCK if device.type == "cpu" else 0)), 0)
+        raise ValueError(f"{setting}={value!r} asks for {num_blocks:,} KV blocks ({need / 2**30:.1f} GiB with "
+                         f"the pool's bookkeeping); {free / 2**30:.1f} GiB is free on {device}, enough for about "
+                         f"{fit:,} blocks: lower {setting} (or leave it unset for the default pool)")
+
+
+def blocks_for_budget(kv_cache_memory_bytes: int, block_bytes: int, *, given: bool) -> int:
+    """How many blocks ``kv_cache_memory_bytes`` holds; a user's budget (``given``) below 2 blocks
+    is refused, the default one is raised to 2."""
+    blocks = int(kv_cache_memory_bytes) // block_bytes
+    if blocks < 2 and given:
+        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds {blocks} KV block(s) of "
+                         f"{block_bytes:,} bytes; valid: at least {2 * block_bytes:,} (the null block and one "
+                         "usable block), or leave it unset for the default budget")
+    return max(blocks, 2)
 
 
 def available_memory_bytes(device: torch.device | str = "cpu") -> int | None:
@@ -87,11 +131,12 @@ def default_num_blocks(spec: Any, num_layers: int, *, max_model_len: int, max_nu
     per_seq = -(-(max_model_len + num_speculative_tokens) // spec.block_size)
     wanted = max_num_seqs * per_seq + 1
     block_bytes = spec.page_size_bytes * num_layers
+    given = kv_cache_memory_bytes is not None
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = default_kv_cache_budget(
             model, bytes_per_token=-(-block_bytes // spec.block_size),
             max_model_len=max_model_len + num_speculative_tokens, device=device)
-    affordable = int(kv_cache_memory_bytes) // block_bytes
+    affordable = blocks_for_budget(kv_cache_memory_bytes, block_bytes, given=given)
     return max(min(wanted, affordable), 2)
 
 

@@ -33,6 +33,12 @@ _VALUES = {
     "enable_chunked_prefill": st.just(True), "verifier": st.sampled_from(["rejection", "typical", "tree"]),
     "attention_backend": st.sampled_from(["auto", "torch", "sdpa"]), "seed": st.none() | st.integers(-5, 1 << 40),
     "max_logprobs": st.integers(0, 100), "grammar_backend": st.just("xgrammar"),
+    "kv_cache_dtype": st.sampled_from(["auto", "int8", "fp8", "fp8_e5m2"]), "kv_cache_scale": st.none(),
+    "quantization": st.sampled_from(["auto", None, "int8", "w4a16"]),
+    "enable_lora": st.booleans(), "max_loras": st.integers(1, 8), "max_lora_rank": st.integers(1, 256),
+    "max_cpu_loras": st.none(), "tensor_parallel_size": st.integers(1, 8), "pipeline_parallel_size": st.integers(1, 4),
+    "data_parallel_size": st.integers(1, 4), "distributed_executor_backend": st.sampled_from([None, "multiproc"]),
+    "enable_expert_parallel": st.booleans(),
 }
 
 
@@ -44,6 +50,8 @@ def test_flat_settings_round_trip(data):
             if data.draw(st.booleans(), label=f"set {name}")}
     if data.draw(st.booleans(), label="speculative"):
         flat.update(drafter="ngram", num_speculative_tokens=data.draw(st.integers(1, 5)))
+    if flat.get("num_blocks") is not None and flat.get("kv_cache_memory_bytes") is not None:
+        del flat["num_blocks"]  # both size the pool: refused (test_bad_settings...)
     config = PipelineConfig.from_kwargs(**flat)
     assert {k: v for k, v in config.to_flat().items() if k in flat} == flat
     assert PipelineConfig.from_kwargs(**config.to_flat()) == config
@@ -76,6 +84,14 @@ def test_flat_settings_round_trip(data):
     (dict(num_speculative_tokens=2), ValueError, ["drafter=None"]),
     (dict(max_logprobs=-1), ValueError, ["max_logprobs=-1"]),
     (dict(blocksize=16), TypeError, ["'blocksize'", "valid:", "block_size", "verifier"]),
+    (dict(num_blocks=10, kv_cache_memory_bytes=1 << 20), ValueError, ["num_blocks=10", "kv_cache_memory_bytes",
+                                                                      "give one"]),
+    (dict(kv_cache_dtype="fp4"), ValueError, ["kv_cache_dtype='fp4'", "'int8'"]),
+    (dict(kv_cache_scale="head"), ValueError, ["kv_cache_scale='head'", "kv_cache_dtype='auto'"]),
+    (dict(kv_cache_dtype="int8", kv_cache_scale="row"), ValueError, ["kv_cache_scale='row'", "'token_head'"]),
+    (dict(max_loras=4, max_cpu_loras=2), ValueError, ["max_cpu_loras=2", "max_loras=4"]),
+    (dict(tensor_parallel_size=0), ValueError, ["tensor_parallel_size=0"]),
+    (dict(quantization=3), TypeError, ["quantization=3"]),
 ])
 def test_bad_settings_name_the_field_and_what_is_valid(settings_, error, words):
     with pytest.raises(error) as info:
