@@ -193,6 +193,20 @@ def _complete(row: Mapping[str, object], index: int) -> dict:
     return full
 
 
+def check_results_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is fresh (missing or empty: the header will be written); raises
+    ``ValueError`` when it exists with a header other than :data:`COLUMNS` (so a
+    command can refuse it before its run, not after)."""
+    target = Path(path)
+    if not target.exists() or target.stat().st_size == 0:
+        return True
+    with target.open(newline="") as fh:
+        header = next(csv.reader(fh), [])
+    if tuple(header) != COLUMNS:
+        raise ValueError(f"{target} has header {header}, expected {list(COLUMNS)}")
+    return False
+
+
 def append_rows(rows: Iterable[Mapping[str, object]], path: str | os.PathLike | None = None) -> Path | None:
     """Append ``rows`` (from :func:`make_row`) to the results CSV; returns its path.
 
@@ -206,12 +220,7 @@ def append_rows(rows: Iterable[Mapping[str, object]], path: str | os.PathLike | 
     rows = [_complete(r, i) for i, r in enumerate(rows)]
     if target is None:
         return None
-    fresh = not target.exists() or target.stat().st_size == 0
-    if not fresh:
-        with target.open(newline="") as fh:
-            header = next(csv.reader(fh), [])
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{target} has header {header}, expected {list(COLUMNS)}")
+    fresh = check_results_file(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from servelab.cli import build_kernels
+from servelab.cli.options import DefaultsHelpFormatter, OutputError, check_out_dir, check_out_file, explicit_options
 from servelab.config import SchedulerConfig
 from servelab.cli.sweep import add_sweep_parser, run_sweep_command
 
@@ -50,6 +51,16 @@ def _one_line(exc: BaseException) -> str:
 def _fail(command: str, message: str) -> int:
     print(f"servelab {command}: error: {message}", file=sys.stderr)
     return USAGE_ERROR
+
+
+def _failed_exit(command: str, failed: int, total: int, reason: str) -> int:
+    """One exit rule for every command: 0 all served, 1 some requests failed, 2 every request failed."""
+    if failed and failed == total:
+        return _fail(command, f"all {total} requests failed: {reason}")
+    if failed:
+        print(f"servelab {command}: {failed} of {total} requests failed: {reason}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _int_at_least(minimum: int, what: str):
@@ -106,7 +117,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     from servelab.cli.demo import resolve_demo_model, run_pipeline_demo
 
-    out = Path(args.out)
+    try:
+        out = check_out_dir(args.out)
+    except OutputError as exc:
+        return _fail("demo", _one_line(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -125,6 +139,9 @@ def _demo(args: argparse.Namespace) -> int:
                 num_blocks=args.num_blocks, seed=args.seed)
     except (*_load_errors(), TypeError) as exc:  # a model, a file or a setting the pipeline refuses
         return _fail("demo", _one_line(exc))
+    except (MemoryError, RuntimeError) as exc:  # an allocation the machine cannot make (torch raises RuntimeError)
+        return _fail("demo", f"{_one_line(exc)[:300]}; --num-blocks {args.num_blocks} (or the model) does not fit "
+                             "this machine's memory: lower --num-blocks")
     print(metrics.table())
     errors = list(getattr(metrics, "errors", []))
     if errors:
@@ -149,6 +166,10 @@ def _blocks(args: argparse.Namespace) -> int:
     if args.num_blocks < 2:
         return _fail("blocks", f"--num-blocks {args.num_blocks} is too small; valid: >= 2 (block 0 is the null "
                                "block, so at least one more is needed to hold anything)")
+    try:
+        out = check_out_dir(args.out)
+    except OutputError as exc:
+        return _fail("blocks", _one_line(exc))
     print(f"servelab blocks: {args.num_requests} requests sharing 4 system prompts, "
           f"{args.num_blocks} KV blocks of {args.block_size} tokens, {args.token_budget} tokens per step\n")
     try:
@@ -156,12 +177,14 @@ def _blocks(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("blocks", _one_line(exc))
     print(result.table())
-    figure = plot_block_demo(result, Path(args.out) / "block_demo.png")
+    figure = plot_block_demo(result, out / "block_demo.png")
     print(f"\nfigure: {figure}")
     if result.leaked_blocks:
         print(f"servelab blocks: error: {result.leaked_blocks} blocks leaked", file=sys.stderr)
         return 1
-    return 0
+    return _failed_exit("blocks", result.failed, args.num_requests,
+                        f"the KV pool ({args.num_blocks} blocks of {args.block_size} tokens) cannot hold a request; "
+                        "raise --num-blocks")
 
 
 def _parse_policies(text: str, engine: str) -> list[str]:
@@ -206,135 +229,173 @@ def _check_lengths(workload, max_model_len: int, engine: str):
     return requests
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _simulate_inputs(args: argparse.Namespace):
+    """Everything ``simulate`` needs, every check made before the first policy runs."""
+    from servelab.cli.simulate_io import read_trace, refuse_inapplicable
     from servelab.scheduling import SchedulerConfig
-    from servelab.cli.simulate_io import describe_params, read_trace, write_results
-    from servelab.scheduling.simulator import (
-        LengthDist,
-        StepCostModel,
-        WorkloadSpec,
-        compare_policies,
-        format_client_table,
-        format_table,
-        plot_results,
-    )
+    from servelab.scheduling.simulator import LengthDist, StepCostModel, WorkloadSpec
+
+    refuse_inapplicable(args, getattr(args, "explicit", set()))
+    policies = _parse_policies(args.policy, args.engine)
+    cost = _parse_cost_model(args.cost_model)
+    config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                             max_model_len=args.max_model_len,
+                             long_prefill_token_threshold=args.long_prefill_token_threshold)
+    if args.hardware:
+        cost = StepCostModel.for_hardware(args.hardware, args.model)
+    out = check_out_dir(args.out)
+    table = check_out_file(out / "simulate.csv", "--out's simulate.csv", results_csv=True)
+    if args.trace:
+        workload, what = read_trace(args)
+    else:
+        weights = tuple(1.0 / (k + 1) ** args.client_skew for k in range(args.num_clients))
+        workload = WorkloadSpec(
+            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival, burstiness=args.burstiness,
+            prompt_len=LengthDist.parse(args.prompt_len), output_len=LengthDist.parse(args.output_len),
+            num_prefix_groups=args.num_prefix_groups, prefix_len=args.prefix_len,
+            num_clients=args.num_clients, client_weights=weights, num_priorities=args.num_priorities,
+            seed=args.seed)
+        what = (f"{args.num_requests} requests, {args.arrival} arrivals at {args.rate}/s, prompts "
+                f"{args.prompt_len}, outputs {args.output_len}")
+    requests = _check_lengths(workload, args.max_model_len, args.engine)
+    if args.engine == "vllm":
+        import servelab.integrations.vllm  # noqa: F401  (fails here, with the install recipe, if absent)
+    return policies, cost, config, requests, what, out, table
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """Each policy's rows are appended to OUT/simulate.csv as soon as it finishes (a Ctrl-C keeps them)."""
+    from servelab.cli.simulate_io import describe_params, write_results
+    from servelab.scheduling.simulator import compare_policies, format_client_table, format_table, plot_results
 
     try:
-        policies = _parse_policies(args.policy, args.engine)
-        cost = _parse_cost_model(args.cost_model)
-        config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                 max_model_len=args.max_model_len,
-                                 long_prefill_token_threshold=args.long_prefill_token_threshold)
-        if args.hardware:
-            cost = StepCostModel.for_hardware(args.hardware, args.model)
-        if args.trace:
-            workload, what = read_trace(args)
-        else:
-            weights = tuple(1.0 / (k + 1) ** args.client_skew for k in range(args.num_clients))
-            workload = WorkloadSpec(
-                num_requests=args.num_requests, rate=args.rate, arrival=args.arrival, burstiness=args.burstiness,
-                prompt_len=LengthDist.parse(args.prompt_len), output_len=LengthDist.parse(args.output_len),
-                num_prefix_groups=args.num_prefix_groups, prefix_len=args.prefix_len,
-                num_clients=args.num_clients, client_weights=weights, num_priorities=args.num_priorities,
-                seed=args.seed)
-            what = (f"{args.num_requests} requests, {args.arrival} arrivals at {args.rate}/s, prompts "
-                    f"{args.prompt_len}, outputs {args.output_len}")
-        workload = _check_lengths(workload, args.max_model_len, args.engine)
-        if args.engine == "vllm":
-            import servelab.integrations.vllm  # noqa: F401  (fails here, with the install recipe, if absent)
-        print(f"servelab simulate: {what}; {args.num_blocks} KV blocks of {args.block_size} tokens; "
-              f"{args.engine} scheduler\n")
-        results = compare_policies(workload, policies, scheduler_config=config, num_blocks=args.num_blocks,
-                                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                                   cost_model=cost, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo,
-                                   engine=args.engine)
+        policies, cost, config, requests, what, out, table = _simulate_inputs(args)
     except (ValueError, TypeError, OSError, ImportError) as exc:
         return _fail("simulate", _one_line(exc))
+    print(f"servelab simulate: {what}; {args.num_blocks} KV blocks of {args.block_size} tokens; "
+          f"{args.engine} scheduler\n", flush=True)
+    results = []
+    try:
+        for policy in policies:
+            result, = compare_policies(requests, [policy], scheduler_config=config, num_blocks=args.num_blocks,
+                                       block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                                       cost_model=cost, ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo,
+                                       engine=args.engine)
+            results.append(result)
+            write_results([result], table, describe_params(args))
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        kept = f" ({len(results)} finished policies kept in {table})" if results else ""
+        return _fail("simulate", _one_line(exc) + kept)
     print(format_table(results))
-    if all(r.num_failed == len(r.requests) for r in results):
-        return _fail("simulate", f"every request failed under every policy: the KV cache ({args.num_blocks} blocks of "
-                                 f"{args.block_size} tokens) cannot hold any of them; raise --num-blocks")
     if args.num_clients > 1 or args.trace:
         print()
         print(format_client_table(results))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = write_results(results, out / "simulate.csv", describe_params(args))
     figure = plot_results(results, out / "simulate.png", title=what)
     print(f"\ntable: {table}\nfigure: {figure}")
-    return 0
+    failed, total = sum(r.num_failed for r in results), sum(len(r.requests) for r in results)
+    reason = (f"the KV cache ({args.num_blocks} blocks of {args.block_size} tokens) cannot hold them; raise "
+              "--num-blocks")
+    if failed and failed == total:
+        return _fail("simulate", f"every request failed under every policy: {reason}")
+    return _failed_exit("simulate", failed, total, reason)
+
+
+_SEED_HELP = "random seed (an integer >= 0)"
 
 
 def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     """``servelab demo``: the full pipeline on a workload."""
-    demo = sub.add_parser("demo", help="serve a workload through the full pipeline and report metrics")
+    demo = sub.add_parser("demo", help="serve a workload through the full pipeline and report metrics",
+                          formatter_class=DefaultsHelpFormatter)
     demo.add_argument("--model", help="'smollm2' (a real 135M chat model) or 'gemma3-270m' (Gemma 3 270M), "
                                       "fetched once; a local HF checkpoint "
                                       "folder or .gguf file (default: the embedded tiny Llama, random weights)")
-    demo.add_argument("--num-requests", type=_positive_int, default=48)
-    demo.add_argument("--max-tokens", type=_positive_int, default=32)
-    demo.add_argument("--num-speculative-tokens", type=_non_negative_int, default=2)
+    demo.add_argument("--num-requests", type=_positive_int, default=48, help="chat requests to serve")
+    demo.add_argument("--max-tokens", type=_positive_int, default=32,
+                      help="most tokens a request generates (each draws from MAX/2..MAX)")
+    demo.add_argument("--num-speculative-tokens", type=_non_negative_int, default=2,
+                      help="n-gram draft tokens per step (0: no speculation)")
     demo.add_argument("--attention-backend", default="auto",
                       help="auto (sdpa on a CPU, triton on CUDA) | torch (the references) | sdpa | triton")
-    demo.add_argument("--num-blocks", type=_positive_int, default=48, help="KV pool size (small: shows preemption)")
+    demo.add_argument("--num-blocks", type=_positive_int, default=48,
+                      help="KV pool size in blocks, null block included (small: shows preemption)")
     demo.add_argument("--threads", type=_non_negative_int, default=1, help="torch threads (0: torch's default)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help=_SEED_HELP)
     demo.add_argument("--out", default="servelab-demo", help="folder for the model and the report figure")
 
 
 def _add_blocks_parser(sub: argparse._SubParsersAction) -> None:
     """``servelab blocks``: a workload through the KV block layer alone."""
-    blocks = sub.add_parser("blocks", help="run a serving workload through the KV block layer alone")
-    blocks.add_argument("--num-requests", type=_positive_int, default=64)
-    blocks.add_argument("--num-blocks", type=_positive_int, default=96)
-    blocks.add_argument("--block-size", type=_positive_int, default=16)
-    blocks.add_argument("--token-budget", type=_positive_int, default=256)
-    blocks.add_argument("--seed", type=int, default=0)
+    blocks = sub.add_parser("blocks", help="run a serving workload through the KV block layer alone",
+                            formatter_class=DefaultsHelpFormatter)
+    blocks.add_argument("--num-requests", type=_positive_int, default=64, help="requests to serve")
+    blocks.add_argument("--num-blocks", type=_positive_int, default=96,
+                        help="KV pool size in blocks, null block included (>= 2)")
+    blocks.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    blocks.add_argument("--token-budget", type=_positive_int, default=256, help="tokens computed per step")
+    blocks.add_argument("--seed", type=_non_negative_int, default=0, help=_SEED_HELP)
     blocks.add_argument("--out", default="servelab-demo", help="folder for the figure")
+
+
+def _add_workload_options(sim: argparse.ArgumentParser) -> None:
+    """The generated workload's options (refused with --trace: a trace brings its own)."""
+    sim.add_argument("--rate", type=_rate, default=8.0, help="mean arrivals per second (inf: all at once); with "
+                                                            "--trace only for a CSV without arrival times")
+    sim.add_argument("--num-requests", type=_positive_int, default=1000,
+                     help="requests generated, or the first N of --trace")
+    sim.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson", help="arrival process")
+    sim.add_argument("--burstiness", type=_positive_float, default=1.0,
+                     help="gamma shape (< 1: burstier than Poisson)")
+    sim.add_argument("--prompt-len", default="lognormal:512:0.6",
+                     help="prompt tokens: fixed:N | uniform:LO:HI | lognormal:MED:SIGMA")
+    sim.add_argument("--output-len", default="lognormal:128:0.6", help="output tokens, same forms as --prompt-len")
+    sim.add_argument("--num-prefix-groups", type=_non_negative_int, default=0, help="shared system prompts")
+    sim.add_argument("--prefix-len", type=_non_negative_int, default=0, help="tokens of each shared system prompt")
+    sim.add_argument("--num-clients", type=_positive_int, default=1, help="clients sending requests")
+    sim.add_argument("--client-skew", type=_non_negative_float, default=0.0,
+                     help="client k sends a share ~ 1/(k+1)^skew")
+    sim.add_argument("--num-priorities", type=_positive_int, default=1, help="priority levels drawn uniformly")
+    sim.add_argument("--seed", type=_non_negative_int, default=0, help=_SEED_HELP)
 
 
 def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     """``servelab simulate``: scheduling policies on one simulated workload or trace."""
-    sim = sub.add_parser("simulate", help="compare scheduling policies on one simulated workload")
+    sim = sub.add_parser("simulate", help="compare scheduling policies on one simulated workload",
+                         formatter_class=DefaultsHelpFormatter,
+                         description="Options that have no effect in the chosen mode (a generator option with "
+                                     "--trace, --model without --hardware ...) are refused, not ignored.")
     sim.add_argument("--policy", default="fcfs,priority,sjf,vtc", help="comma-separated policy names")
     sim.add_argument("--engine", choices=["servelab", "vllm"], default="servelab",
                      help="whose scheduler serves the trace: servelab's, or vLLM's real v1 scheduler with the "
                           "policy bridged in (vllm-fcfs / vllm-priority: vLLM's own policies)")
-    sim.add_argument("--rate", type=_rate, default=8.0, help="mean arrivals per second (inf: all at once)")
-    sim.add_argument("--num-requests", type=_positive_int, default=1000)
-    sim.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    sim.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape (< 1: burstier than Poisson)")
-    sim.add_argument("--prompt-len", default="lognormal:512:0.6", help="fixed:N | uniform:LO:HI | lognormal:MED:SIGMA")
-    sim.add_argument("--output-len", default="lognormal:128:0.6")
-    sim.add_argument("--num-prefix-groups", type=_non_negative_int, default=0, help="shared system prompts")
-    sim.add_argument("--prefix-len", type=_non_negative_int, default=0)
-    sim.add_argument("--num-clients", type=_positive_int, default=1)
-    sim.add_argument("--client-skew", type=_non_negative_float, default=0.0, help="client k sends a share ~ 1/(k+1)^skew")
-    sim.add_argument("--num-priorities", type=_positive_int, default=1)
+    _add_workload_options(sim)
     sim.add_argument("--trace", help="a shipped trace (mooncake_conversation, azure_conv), a Mooncake .jsonl, an "
                                      "Azure .csv (with --trace-format azure) or a CSV trace (prompt_len, output_len[, "
                                      "arrival_time, client_id, priority])")
     sim.add_argument("--trace-format", choices=["mooncake", "azure", "csv"],
                      help="default: the shipped trace's own, .jsonl: mooncake, else csv")
     sim.add_argument("--time-scale", type=_positive_float, default=1.0,
-                     help="multiply a real trace's arrival times (0.5: twice as fast)")
+                     help="multiply a Mooncake / Azure trace's arrival times (0.5: twice as fast)")
     sim.add_argument("--hardware", help="roofline step costs on this hardware (A100-80GB, H100-SXM, H200, L40S, "
                                         "MI300X, cpu-measured) instead of --cost-model")
     sim.add_argument("--model", default="llama-3.1-8b",
                      help="with --hardware: a model preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, smollm2-135m)")
-    sim.add_argument("--num-blocks", type=_positive_int, default=4096)
-    sim.add_argument("--block-size", type=_positive_int, default=16)
-    sim.add_argument("--no-prefix-caching", action="store_true")
+    sim.add_argument("--num-blocks", type=_positive_int, default=4096, help="KV pool size in blocks")
+    sim.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    sim.add_argument("--no-prefix-caching", action="store_true", help="switch prefix caching off")
     # SchedulerConfig's defaults: servelab's one set of scheduling defaults
-    sim.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs)
-    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=SchedulerConfig.max_num_batched_tokens)
-    sim.add_argument("--max-model-len", type=_positive_int, default=SchedulerConfig.max_model_len)
-    sim.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=0)
+    sim.add_argument("--max-num-seqs", type=_positive_int, default=SchedulerConfig.max_num_seqs,
+                     help="most requests running at once")
+    sim.add_argument("--max-num-batched-tokens", type=_positive_int, default=SchedulerConfig.max_num_batched_tokens,
+                     help="token budget of a step")
+    sim.add_argument("--max-model-len", type=_positive_int, default=SchedulerConfig.max_model_len,
+                     help="longest request (prompt + output); a trace's longer requests are clipped to it")
+    sim.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=0,
+                     help="cap on one request's prefill tokens per step (0: no cap)")
     sim.add_argument("--cost-model", default="0.009,7e-5,3.5e-7",
                      help="seconds per step: BASE,PER_TOKEN,PER_KV_TOKEN")
     sim.add_argument("--ttft-slo", type=_positive_float, default=1.0, help="seconds, for goodput")
     sim.add_argument("--tpot-slo", type=_positive_float, default=0.1, help="seconds, for goodput")
-    sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", default="servelab-simulate", help="folder for the CSV table and the figure")
 
 
@@ -352,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     build_kernels.add_parser(sub)
     add_sweep_parser(sub)
     args = parser.parse_args(argv)
+    args.explicit = explicit_options(parser, argv)  # what the user typed: options a mode ignores are refused
     commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run,
                 "sweep": run_sweep_command}
     if args.command not in commands:

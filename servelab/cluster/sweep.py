@@ -38,8 +38,8 @@ import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from servelab.scheduling.simulator.cost_model import StepCostModel
 from servelab.scheduling.simulator.traces import load_trace
 from servelab.scheduling.simulator.workload import LengthDist, WorkloadSpec
 
-__all__ = ["EXECUTORS", "expand_grid", "load_spec", "plot_sweep", "run_point", "run_sweep", "sweep_rows"]
+__all__ = ["EXECUTORS", "expand_grid", "iter_sweep", "load_spec", "plot_sweep", "run_point", "run_sweep", "sweep_rows"]
 
 EXECUTORS = ("local", "ray")
 _WORKLOAD_KEYS = {f.name for f in dataclasses.fields(WorkloadSpec)}
@@ -81,6 +81,9 @@ def expand_grid(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     unknown_sections = set(spec) - set(_SECTIONS)
     if unknown_sections:
         raise ValueError(f"sweep spec has unknown sections {sorted(unknown_sections)}; valid: {list(_SECTIONS)}")
+    if not any(spec.get(section) for section in _SECTIONS):
+        raise ValueError("sweep spec is empty: it needs a [workload] (or a trace), a [cluster] or a [grid] "
+                         "table; nothing is run on defaults the spec did not ask for")
     base: dict[str, Any] = {}
     for section in ("workload", "cluster"):
         values = spec.get(section, {})
@@ -104,7 +107,7 @@ def expand_grid(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _workload(point: Mapping[str, Any]):
     if "trace" in point:
-        requests = load_trace(point["trace"], format=point.get("trace_format", "mooncake"),
+        requests = load_trace(point["trace"], format=point.get("trace_format"),
                               time_scale=point.get("time_scale", 1.0), max_model_len=point.get("max_model_len"))
         if "max_requests" in point:
             requests = requests[: point["max_requests"]]
@@ -149,35 +152,90 @@ def run_sweep(points: Sequence[Mapping[str, Any]], executor: str = "local", *, j
     ``executor="local"``: a process pool of ``jobs`` processes (default: the
     CPU count, at most the number of points; ``jobs=1`` runs in this process).
     ``executor="ray"``: one Ray task per point (``ray.init(address=address)``
-    unless Ray is already initialised); needs the ``ray`` extra.
+    unless Ray is already initialised); needs the ``ray`` extra. To keep each
+    point as it finishes (and what finished before a Ctrl-C), iterate
+    :func:`iter_sweep` instead.
+    """
+    results: dict[int, dict] = dict(iter_sweep(points, executor, jobs=jobs, address=address, task=task))
+    return [results[i] for i in range(len(points))]
+
+
+def iter_sweep(points: Sequence[Mapping[str, Any]], executor: str = "local", *, jobs: int | None = None,
+               address: str | None = None,
+               task: Callable[[Mapping[str, Any]], dict] = run_point) -> Iterator[tuple[int, dict]]:
+    """Yield ``(index into points, result)`` as each point finishes (completion order).
+
+    The same executors as :func:`run_sweep`. Closing the iterator early (or a
+    ``KeyboardInterrupt`` while it waits) cancels the points not started; what
+    was yielded before is the caller's to keep.
+
+    Raises ``ValueError`` for an unknown executor, ``address`` without Ray, a
+    bad ``jobs``, or a Ray ``address`` where no cluster answers.
     """
     if executor not in EXECUTORS:
         raise ValueError(f"executor={executor!r} is invalid; valid: {', '.join(EXECUTORS)}")
-    if not points:
-        return []
-    if executor == "ray":
-        return _run_on_ray(points, address, task)
-    if address is not None:
+    if executor != "ray" and address is not None:
         raise ValueError("address applies to executor='ray' only")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs={jobs!r} is invalid; valid: None or an int >= 1")
+    if not points:
+        return
+    if executor == "ray":
+        yield from _iter_on_ray(points, address, task)
+        return
     jobs = min(jobs or os.cpu_count() or 1, len(points))
-    if jobs < 1:
-        raise ValueError(f"jobs={jobs} must be >= 1")
     if jobs == 1:
-        return [task(p) for p in points]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(task, points))
+        for i, p in enumerate(points):
+            yield i, task(p)
+        return
+    pool = ProcessPoolExecutor(max_workers=jobs)
+    try:
+        futures = {pool.submit(task, p): i for i, p in enumerate(points)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        # Ctrl-C or an early close: drop the points not started, do not wait for the pool's
+        # workers (they get the same SIGINT from the terminal).
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _run_on_ray(points: Sequence[Mapping[str, Any]], address: str | None,
-                task: Callable[[Mapping[str, Any]], dict]) -> list[dict]:
+def _ray_init(ray: Any, address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, TimeoutError) as exc:
+        raise ValueError(f"address={address!r}: no Ray cluster answers there ({' '.join(str(exc).split())[:200]}); "
+                         "start one (`ray start --head`) or leave the address out to start a local Ray "
+                         "instance") from None
+    except (ImportError, ValueError) as exc:
+        if "client" not in str(exc):
+            raise ValueError(f"address={address!r}: {' '.join(str(exc).split())[:200]}") from None
+        # ray://HOST:PORT needs the Ray client (grpcio): the ray extra installs ray[client].
+        raise ImportError(f"address={address!r} needs the Ray client: pip install 'servelab[ray]' (it installs "
+                          "ray[client])") from None
+    except RuntimeError as exc:
+        raise ValueError(f"address={address!r}: Ray could not connect "
+                         f"({' '.join(str(exc).split())[:200]})") from None
+
+
+def _iter_on_ray(points: Sequence[Mapping[str, Any]], address: str | None,
+                 task: Callable[[Mapping[str, Any]], dict]) -> Iterator[tuple[int, dict]]:
     try:
         import ray
     except ImportError:
         raise ImportError("the ray executor needs Ray: pip install 'servelab[ray]'") from None
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    _ray_init(ray, address)
     remote = ray.remote(task)
-    return ray.get([remote.remote(dict(p)) for p in points])
+    pending = {remote.remote(dict(p)): i for i, p in enumerate(points)}
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                yield pending.pop(ref), ray.get(ref)
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
 
 
 def _finite(value: Any) -> bool:

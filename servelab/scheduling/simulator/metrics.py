@@ -27,19 +27,30 @@ from servelab.scheduling.request import RequestMetrics
 
 @dataclass(frozen=True)
 class LatencySummary:
+    """A latency's mean and percentiles over the requests that finished, with the count of those
+    that failed beside it: an average over survivors never hides the failures.
+
+    Attributes:
+        count: samples summarised (requests, or gaps for ITL).
+        failed: requests of the run that failed (finish reason ``"error"``) and so have no sample.
+    """
+
     mean: float
     p50: float
     p90: float
     p99: float
     count: int
+    failed: int = 0
 
     @classmethod
-    def of(cls, values: np.ndarray | list[float]) -> LatencySummary:
+    def of(cls, values: np.ndarray | list[float], failed: int = 0) -> LatencySummary:
+        if isinstance(failed, bool) or not isinstance(failed, int) or failed < 0:
+            raise ValueError(f"failed={failed!r} is invalid; valid: an int >= 0")
         a = np.asarray(values, dtype=float)
         if a.size == 0:
-            return cls(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+            return cls(float("nan"), float("nan"), float("nan"), float("nan"), 0, failed)
         p50, p90, p99 = np.percentile(a, [50, 90, 99])
-        return cls(float(a.mean()), float(p50), float(p90), float(p99), int(a.size))
+        return cls(float(a.mean()), float(p50), float(p90), float(p99), int(a.size), failed)
 
 
 @dataclass(frozen=True)
@@ -96,10 +107,11 @@ class SimulationResult:
         return self._e2e
 
     def latency(self, name: str) -> LatencySummary:
-        """Summary of ``"ttft"``, ``"itl"``, ``"tpot"`` or ``"e2e"``."""
+        """Summary of ``"ttft"``, ``"itl"``, ``"tpot"`` or ``"e2e"`` over the finished requests,
+        with ``failed`` (the requests that have no sample because they failed) beside it."""
         if name not in ("ttft", "itl", "tpot", "e2e"):
             raise ValueError(f"latency name {name!r}; valid: ttft, itl, tpot, e2e")
-        return LatencySummary.of(getattr(self, name))
+        return LatencySummary.of(getattr(self, name), failed=self.num_failed)
 
     # ---- rates -------------------------------------------------------------------
 
@@ -169,8 +181,10 @@ class SimulationResult:
         return out
 
     def summary(self) -> dict[str, float]:
-        """Flat metrics (seconds for latencies) for tables and CSV."""
-        row: dict[str, float] = {"policy": self.policy, "requests": len(self.requests), "failed": self.num_failed}
+        """Flat metrics (seconds for latencies) for tables and CSV: the policy (the row's label), then
+        ``failed`` leads the numbers (latencies are over the finished requests only, so the failures
+        are read first)."""
+        row: dict[str, float] = {"policy": self.policy, "failed": self.num_failed, "requests": len(self.requests)}
         for name in ("ttft", "tpot", "itl", "e2e"):
             s = self.latency(name)
             row.update({f"{name}_mean": s.mean, f"{name}_p50": s.p50, f"{name}_p90": s.p90, f"{name}_p99": s.p99})

@@ -134,14 +134,24 @@ def shipped_trace_path(name: str) -> Path:
     return Path(str(resources.files("servelab") / "data" / "traces" / SHIPPED_TRACES[name][0]))
 
 
-def load_trace(path: str | Path, format: str = "mooncake", *, time_scale: float = 1.0,
+def infer_trace_format(path: str | Path) -> str:
+    """The format of a trace named by ``path`` alone, the same rule as ``servelab simulate``: a
+    shipped trace's own, ``.jsonl`` / ``.json`` Mooncake, anything else servelab's CSV (an Azure
+    CSV must be named with ``format="azure"``)."""
+    if isinstance(path, str) and path in SHIPPED_TRACES:
+        return SHIPPED_TRACES[path][1]
+    return "mooncake" if Path(path).suffix.lower() in (".jsonl", ".json") else "csv"
+
+
+def load_trace(path: str | Path, format: str | None = None, *, time_scale: float = 1.0,
                max_model_len: int | None = None) -> Trace:
     """Read a trace into requests sorted by arrival (seconds, the first arrival at its own offset).
 
     Args:
         path: a trace file, or a shipped trace's name (``"mooncake_conversation"``,
-            ``"azure_conv"``; then ``format`` is the trace's own and may be left default).
-        format: ``"mooncake"``, ``"azure"`` or ``"csv"``.
+            ``"azure_conv"``; ``format`` then must be left out or be the trace's own).
+        format: ``"mooncake"``, ``"azure"`` or ``"csv"``; None infers it
+            (:func:`infer_trace_format`: ``.jsonl`` Mooncake, else CSV).
         time_scale: every arrival time is multiplied by it (0.5 replays the trace
             twice as fast; 2.0 half as fast).
         max_model_len: requests longer than this are clipped, not dropped: the
@@ -162,8 +172,14 @@ def load_trace(path: str | Path, format: str = "mooncake", *, time_scale: float 
                                       or max_model_len < 2):
         raise ValueError(f"max_model_len={max_model_len!r} is invalid; valid: None or an int >= 2")
     if isinstance(path, str) and path in SHIPPED_TRACES:
-        format = SHIPPED_TRACES[path][1]
+        own = SHIPPED_TRACES[path][1]
+        if format is not None and format != own:
+            raise ValueError(f"format={format!r} contradicts the shipped trace {path!r}, which is {own!r}; "
+                             "leave format out")
+        format = own
         path = shipped_trace_path(path)
+    if format is None:
+        format = infer_trace_format(path)
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is invalid; valid: {', '.join(FORMATS)}")
     if not Path(path).is_file():
