@@ -37,7 +37,12 @@ from typing import Any
 import torch
 
 from servelab._internal.bitmask_checks import num_bitmask_words
-from servelab.samplers.structured.backend import GrammarBackend, GrammarMatcher, get_grammar_backend
+from servelab.samplers.structured.backend import (
+    GrammarBackend,
+    GrammarMatcher,
+    available_grammar_backends,
+    get_grammar_backend,
+)
 from servelab.samplers.structured.bitmask import bitmask_allows_nothing
 from servelab.samplers.structured.params import StructuredOutputsParams
 
@@ -57,6 +62,10 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = (),
                  backend: str | GrammarBackend = "xgrammar") -> None:
+        if isinstance(backend, str) and backend not in available_grammar_backends():
+            # refused when the pipeline is built, not by every structured request later
+            raise ValueError(f"grammar_backend={backend!r} is not a registered grammar backend; valid: "
+                             f"{', '.join(available_grammar_backends())} (or a GrammarBackend object)")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.num_words = num_bitmask_words(vocab_size)
