@@ -242,19 +242,31 @@ def test_load_trace_infers_the_format_like_the_cli(tmp_path):
 # ---- failures counted where the numbers are ----------------------------------------------------------
 
 
-def test_every_latency_summary_counts_the_failed_requests():
-    from servelab.scheduling.simulator import LengthDist, WorkloadSpec, compare_policies
+def _metrics(i: int, failed: bool):
+    from servelab.scheduling.request import RequestMetrics
 
-    workload = WorkloadSpec(num_requests=12, rate=100.0, prompt_len=LengthDist.parse("uniform:8:80"),
-                            output_len=LengthDist.parse("fixed:4"), seed=3)
-    result, = compare_policies(workload, ["fcfs"], num_blocks=4, block_size=16)
-    assert 0 < result.num_failed < 12, "the workload is sized so that some, not all, fail"
+    if failed:
+        return RequestMetrics(f"r{i}", "c", 0, "error", 40, 0, 0, 0, 0, 0, float(i), None, None, float(i) + 0.1, [])
+    times = [i + 0.01, i + 0.02, i + 0.03]
+    return RequestMetrics(f"r{i}", "c", 0, "length", 40, 3, 0, 0, 0, 0, float(i), float(i), times[0], times[-1],
+                          times)
+
+
+@pytest.mark.parametrize("num_failed", [0, 3, 5])
+def test_every_latency_summary_counts_the_failed_requests(num_failed):
+    import numpy as np
+
+    from servelab.scheduling.simulator import SimulationResult
+
+    requests = [_metrics(i, failed=i < num_failed) for i in range(5)]
+    result = SimulationResult("fcfs", requests, num_steps=10, num_preemptions=0, kv_times=np.zeros(0),
+                              kv_usage=np.zeros(0), wall_s=0.0)
     for name in ("ttft", "tpot", "itl", "e2e"):
-        assert result.latency(name).failed == result.num_failed
-    assert result.latency("ttft").count == 12 - result.num_failed
+        assert result.latency(name).failed == num_failed, name
+    assert result.latency("ttft").count == 5 - num_failed
     summary = result.summary()
     assert list(summary)[:3] == ["policy", "failed", "requests"]
-    assert summary["failed"] == result.num_failed
+    assert (summary["failed"], summary["requests"]) == (num_failed, 5)
 
 
 # ---- exit codes agree; help; seeds -----------------------------------------------------------------
@@ -303,3 +315,12 @@ def test_demo_with_a_billion_blocks_ends_fast_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "num_blocks" in proc.stderr or "--num-blocks" in proc.stderr
+
+
+@pytest.mark.parametrize(("spec", "needles"), [
+    ('[workload]\ntrace = "azure_conv"\nrate = 5.0\n[grid]\nreplicas = [1]\n', ["'rate'", "no effect"]),
+    ('[workload]\nnum_requests = 5\nmax_tokens_cap = 8\n', ["'max_tokens_cap'", "trace only"]),
+])
+def test_sweep_keys_without_effect_are_refused(tmp_path, capsys, spec, needles):
+    code, _, err = run_cli(["sweep", sweep_spec(tmp_path, spec), "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, *needles)

@@ -102,6 +102,12 @@ def expand_grid(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         bad = sorted(set(point) - valid)
         if bad:
             raise ValueError(f"sweep spec keys {bad} are unknown; valid: {sorted(valid)}")
+        # nothing silently ignored: a trace brings its own requests; the trace keys need a trace
+        unused = sorted(set(point) & _WORKLOAD_KEYS) if "trace" in point else sorted(set(point) & (_TRACE_KEYS))
+        if unused:
+            why = ("a trace brings its own requests (trace keys: " + ", ".join(sorted(_TRACE_KEYS)) + ")"
+                   if "trace" in point else "they apply to a trace only (set trace = NAME or PATH)")
+            raise ValueError(f"sweep spec keys {unused} would have no effect and are refused: {why}")
     return points
 
 
