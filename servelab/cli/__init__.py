@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from servelab.cli import build_kernels
+from servelab.cli import build_kernels, serve
 from servelab.cli.options import DefaultsHelpFormatter, OutputError, check_out_dir, check_out_file, explicit_options
 from servelab.config import SchedulerConfig
 from servelab.cli.sweep import add_sweep_parser, run_sweep_command
@@ -31,6 +31,7 @@ examples:
   servelab blocks                        the KV block layer alone under load
   servelab build-kernels                 compile and cache the C decode kernel ahead of time
   servelab sweep SPEC.toml [--executor ray]  a grid of cluster simulations (routers, replicas, rates)
+  servelab serve smollm2 --port 8000     an OpenAI-compatible server (the 'serve' extra)
 """
 
 USAGE_ERROR = 2
@@ -412,10 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_simulate_parser(sub)
     build_kernels.add_parser(sub)
     add_sweep_parser(sub)
+    serve.add_parser(sub)
     args = parser.parse_args(argv)
     args.explicit = explicit_options(parser, argv)  # what the user typed: options a mode ignores are refused
     commands = {"demo": _demo, "blocks": _blocks, "simulate": _simulate, "build-kernels": build_kernels.run,
-                "sweep": run_sweep_command}
+                "sweep": run_sweep_command, "serve": serve.run}
     if args.command not in commands:
         parser.print_help()
         return 0
