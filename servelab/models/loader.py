@@ -20,6 +20,8 @@ the same checks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -31,7 +33,7 @@ import torch
 from servelab.blocks.layout import KVCacheBuffers, allocate_kv_cache
 from servelab.blocks.specs import FullAttentionSpec, SlidingWindowSpec
 from servelab.models.config import ModelConfig, read_generation_config
-from servelab.models.gguf import find_gguf_file, gguf_tensors, load_gguf_config
+from servelab.models.gguf import NativeGGUF, find_gguf_file, gguf_tensors, load_gguf_config
 from servelab.models.linear import set_weight_packing
 from servelab.models.llama import LlamaForCausalLM
 from servelab.models.registry import model_class_for
@@ -166,6 +168,9 @@ def copy_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     ``where`` names the checkpoint in the "missing tensors" message.
     """
     copier = _WeightCopier(model)
+    convert = getattr(model, "checkpoint_tensors", None)  # a model's own name/stacking map (MoE experts)
+    if callable(convert):
+        tensors = convert(tensors)
     for name, tensor, source in tensors:
         if copier.wants(name):
             copier.add(name, tensor, source)
@@ -220,7 +225,7 @@ def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu", attention: Any = None, *,
-               pack_weights: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
+               pack_weights: bool = True, quantization: Any = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for the checkpoint folder (or ``.gguf`` file) ``path`` and load its weights.
 
     Args:
@@ -236,6 +241,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
             oneDNN where that applies (float32 on a CPU; see
             :mod:`servelab.models.linear`: 1.2-1.9x faster GEMMs, one extra copy of
             each weight); False keeps plain ``F.linear``.
+        quantization: for a ``.gguf`` file, anything but None / ``"none"`` (``"auto"``, a dict
+            with ``targets`` / ``ignore``) keeps its blocks as stored
+            (:mod:`servelab.quantization.gguf_native`; the plan is ``model.quantization_plan``);
+            None dequantizes every tensor to ``dtype``. Online methods are applied later, by the
+            pipeline's model step (:func:`servelab.quantization.apply.quantize_model`).
 
     Returns:
         ``(model, config)`` with the model in eval mode.
@@ -251,6 +261,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     model = model.to_empty(device=device)
     if gguf_file is None:
         load_weights(model, path)
+    elif quantization is not None and not (isinstance(quantization, str) and quantization.lower() == "none"):
+        # imported here: servelab.quantization's layers import servelab.models (the package) at load time
+        from servelab.quantization.gguf_native import load_native_weights
+
+        load_native_weights(model, NativeGGUF(gguf_file, config), quantization)
     else:
         copy_weights(model, gguf_tensors(gguf_file), str(gguf_file))
     set_weight_packing(model, pack_weights)
@@ -295,7 +310,7 @@ def kv_cache_spec(config: Any, block_size: int, dtype: torch.dtype | str = torch
 
 def allocate_kv_caches(model: LlamaForCausalLM | Any, num_blocks: int, block_size: int, *,
                        dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                       layout: str = "layer_outermost") -> KVCacheBuffers:
+                       layout: str = "layer_outermost", kv_scale: str | None = None) -> KVCacheBuffers:
     """One buffer with a ``(key_cache, value_cache)`` view per layer.
 
     Not zero-filled except the null block 0 (see ``zero_fill`` of
@@ -305,6 +320,9 @@ def allocate_kv_caches(model: LlamaForCausalLM | Any, num_blocks: int, block_siz
     like :class:`~servelab.blocks.BlockPool`.
     ``dtype``/``device`` default to the model's (float32/CPU for a bare config).
     Pass the result (or its ``.views``) as ``kv_caches`` to the model.
+    A quantized ``dtype`` (int8 / fp8) with ``kv_scale`` (``"token_head"``, ``"head"``,
+    ``"tensor"``) gives ``(key_cache, value_cache, k_scale, v_scale)`` per layer
+    (:mod:`servelab.blocks.kv_quant`).
     """
     is_model = isinstance(model, LlamaForCausalLM)
     cfg = _as_config(model)
@@ -313,5 +331,7 @@ def allocate_kv_caches(model: LlamaForCausalLM | Any, num_blocks: int, block_siz
     if device is None:
         device = model.device if is_model else "cpu"
     spec = kv_cache_spec(cfg, block_size, dtype)
+    if kv_scale is not None:
+        spec = dataclasses.replace(spec, kv_scale=kv_scale)
     return allocate_kv_cache(spec, cfg.num_hidden_layers, num_blocks, layout=layout, device=device,
                              zero_fill=False)

@@ -197,3 +197,12 @@ register_model_architecture("Gemma2ForCausalLM", "servelab.models.gemma2:Gemma2F
 register_model_architecture("Gemma3ForCausalLM", "servelab.models.gemma3:Gemma3ForCausalLM",
                             "servelab.models.gemma3:gemma3_config_from_hf", model_type="gemma3_text",
                             gguf_names=("gemma3",))
+# Mixture-of-experts decoders (servelab/moe: routing, experts kernels, EPLB).
+register_model_architecture("MixtralForCausalLM", "servelab.models.mixtral:MixtralForCausalLM",
+                            "servelab.models.mixtral:mixtral_config_from_hf", model_type="mixtral")
+register_model_architecture("Qwen2MoeForCausalLM", "servelab.models.qwen2_moe:Qwen2MoeForCausalLM",
+                            "servelab.models.qwen2_moe:qwen2_moe_config_from_hf", model_type="qwen2_moe")
+register_model_architecture("Qwen3MoeForCausalLM", "servelab.models.qwen3_moe:Qwen3MoeForCausalLM",
+                            "servelab.models.qwen3_moe:qwen3_moe_config_from_hf", model_type="qwen3_moe")
+register_model_architecture("OlmoeForCausalLM", "servelab.models.olmoe:OlmoeForCausalLM",
+                            "servelab.models.olmoe:olmoe_config_from_hf", model_type="olmoe")

@@ -40,6 +40,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"tie_word_embeddings": False},
     "qwen2": {"tie_word_embeddings": True},
     "mistral": {"tie_word_embeddings": False, "sliding_window": 16},
+    # Mixture of experts (servelab/moe): 8 experts, uneven top-k, small expert widths.
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 96, "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
 }
 
 
