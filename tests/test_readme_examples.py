@@ -2,7 +2,9 @@
 
 The README's "how to swap it" column points at short examples; they are
 documentation only if they work, so each ```python block is executed here in
-a fresh namespace inside a temporary working directory. The "Run your piece in vLLM" recipe
+a fresh namespace inside a temporary working directory (unless the line before its fence is
+``<!-- not-executed -->``; the long forms live in docs/*.md, run by tests/test_docs.py). The
+"Run your piece in vLLM" recipe
 needs vLLM and a model; it is executed by
 ``tests/integrations/test_vllm_readme_snippet.py`` in the vLLM environment
 (with a stand-in ``LLM``), so it is skipped here.
@@ -23,6 +25,8 @@ def _blocks() -> list[tuple[str, str]]:
     text = README.read_text(encoding="utf-8")
     blocks = []
     for match in _BLOCK.finditer(text):
+        if text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip() == "<!-- not-executed -->":
+            continue  # the same marker as docs/*.md (tests/test_docs.py)
         line = text.count("\n", 0, match.start()) + 1
         blocks.append((f"README.md:{line}", match.group(1)))
     return blocks
