@@ -109,7 +109,7 @@ def fused_experts_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.
                       topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
     """The ``"cpu"`` experts kernel (shapes in the module docstring): one gather of the pairs in
     expert order, two GEMMs per expert that has pairs, one scatter back, a float32 weighted sum
-    over the k slots. No per-expert ``torch.where`` (the reference's cost grows with E x T)."""
+    over the k slots (float64 for float64 inputs). No per-expert ``torch.where`` (the reference's cost grows with E x T)."""
     check_experts_args(hidden_states, w13, w2, topk_weights, topk_ids, activation)
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
@@ -125,7 +125,8 @@ def fused_experts_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.
         start += count
     pairs = torch.empty_like(out)
     pairs[order] = out
-    weighted = pairs.view(num_tokens, top_k, -1).float() * topk_weights.float().unsqueeze(-1)
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    weighted = pairs.view(num_tokens, top_k, hidden_states.shape[1]).to(acc) * topk_weights.to(acc).unsqueeze(-1)
     return weighted.sum(dim=1).to(hidden_states.dtype)
 
 

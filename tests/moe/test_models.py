@@ -46,7 +46,7 @@ def test_logits_match_transformers_on_a_chunked_batch(ckpt):
         torch.testing.assert_close(got, hf_logits(hf, seq), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["cpu", "reference"])
+@pytest.mark.parametrize("kernel", ["cpu", "reference", "triton"])
 def test_greedy_is_token_exact(ckpt, kernel):
     _, _, model, config, hf = ckpt
     prompts = random_prompts([15, 9], config.vocab_size, seed=2)
