@@ -50,6 +50,7 @@ import torch
 
 from servelab.config import PipelineConfig
 from servelab.connectors import get_kv_connector
+from servelab.executor.driver import create_executor, start_executor
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
 from servelab.pipeline.batch import BatchRuns
 from servelab.pipeline.delivery import OutputDelivery, Tracked, warn_unenforced
@@ -132,7 +133,10 @@ class Pipeline(BatchRuns, OutputDelivery):
                  clock: Callable[[], float] = time.perf_counter, **settings: Any) -> None:
         kv_cache_manager = scheduler_kv_cache_manager(scheduler, kv_cache_manager)
         self.config = self._resolve_config(config, settings, kv_cache_manager)
-        model = prepare_model(model, self.config)
+        # refusals of parallel settings come before any process starts (servelab.executor)
+        self.executor = create_executor(self.config, model, kv_connector)
+        if self.executor.in_process:  # else each worker prepares its own part of the model
+            model = prepare_model(model, self.config)
         self._attach_model(model, tokenizer, clock)
         self._build_kv_cache(kv_cache_manager)
         self.kv_connector = self._bind_kv_connector(kv_connector)
@@ -194,6 +198,10 @@ class Pipeline(BatchRuns, OutputDelivery):
         self.attention_backend = attach_attention(model, self.config.attention_backend, self.block_size)
         groups = getattr(manager, "groups", None)  # a group manager: one block table per group (pipeline.hybrid)
         self.kv_cache_groups = tuple(groups) if groups is not None else None
+        if not self.executor.in_process:  # each rank allocates its own pages (servelab.executor.worker)
+            no_caches: Any = None
+            self.kv_caches, self.kv_cache_bytes = no_caches, 0
+            return
         if self.kv_cache_groups is not None:
             self.kv_caches = allocate_group_kv_caches(self.kv_cache_groups, model.config.num_hidden_layers,
                                                       self.num_blocks, device=model.device)
@@ -246,6 +254,11 @@ class Pipeline(BatchRuns, OutputDelivery):
         eos = () if self.eos_token_id is None else (self.eos_token_id, *self._extra_eos)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos,
                                                   backend=self.config.grammar_backend)
+        if not self.executor.in_process:  # the workers' runners, driven by the executor
+            proxy: Any = start_executor(self.executor, self)
+            self.runner = proxy
+            self.kv_cache_bytes = self.executor.kv_cache_bytes
+            return
         runner_cls: type[ModelRunner] | type[HybridModelRunner] = ModelRunner
         extra: dict[str, Any] = {}
         if self.kv_cache_groups is not None:  # one block table and metadata per KV-cache group
@@ -257,6 +270,7 @@ class Pipeline(BatchRuns, OutputDelivery):
                                   structured=self.structured, kv_connector=self.kv_connector)
         if self.kv_cache_groups is None:  # one sliding-window spec: its released blocks are nulled in the table
             self.runner.sliding_window = getattr(getattr(self.kv_cache_manager, "spec", None), "sliding_window", None)
+        self.executor.start(self.runner)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, config: PipelineConfig | None = None, dtype: Any = None,
@@ -357,6 +371,9 @@ class Pipeline(BatchRuns, OutputDelivery):
     def _add_to_scheduler(self, request: Request) -> None:
         """Compile the request's grammar (if any), then queue it; neither is kept if either fails."""
         grammar = getattr(request.sampling_params, "structured_outputs", None)
+        if grammar is not None and not self.executor.supports_structured_outputs:
+            raise ValueError(f"structured outputs need the model in the driver's process; the "
+                             f"{self.executor.name!r} executor does not apply grammars")
         if grammar is not None:
             unenforced = self.structured.add_request(request.request_id, grammar)
             if grammar.kind == "json":
@@ -476,6 +493,20 @@ class Pipeline(BatchRuns, OutputDelivery):
         reset = getattr(self.model, "reset_attention_state", None)
         if reset is not None:
             reset()
+
+    # ---- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the executor's workers (none for the in-process executor) and free the attention
+        state; idempotent. Later steps fail their requests with the reason."""
+        self._release_attention_state()
+        self.executor.shutdown()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
     # ---- metrics -------------------------------------------------------------------
 

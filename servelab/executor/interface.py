@@ -1,0 +1,95 @@
+"""The executor seam: who runs the model runner for the driver's scheduler.
+
+The scheduler, the KV cache manager and every block table stay in the driver (the
+caller's process). Each step the pipeline hands the step's
+:class:`~servelab.scheduling.SchedulerOutput` to its executor and gets one
+:class:`~servelab.scheduling.ModelRunnerOutput` back. An :class:`Executor` presents
+exactly the part of :class:`~servelab.pipeline.runner.ModelRunner` the pipeline calls
+(``execute``, ``rollback``, ``remove_request``, ``last_verification``,
+``prompt_logprobs.finished``), so it *is* the pipeline's runner when the model lives
+elsewhere:
+
+- ``"uniproc"`` (:class:`~servelab.executor.uniproc.UniprocExecutor`): today's path, the
+  runner in the caller's process; the default for one rank;
+- ``"multiproc"`` (:class:`~servelab.executor.multiproc.MultiprocExecutor`): one spawned
+  worker process per rank (tensor x pipeline parallel), each with its own runner, model
+  shard and KV pages; the default for more than one rank;
+- ``"ray"`` (:class:`~servelab.executor.ray_executor.RayExecutor`): the same workers as Ray
+  actors (``pip install "servelab[ray]"``), for more than one machine.
+
+Contract: ``start(spec)`` once (workers built, or a ``ValueError`` / ``RuntimeError``
+saying why not; nothing left running on failure); ``execute`` / ``rollback`` /
+``remove_request`` in the pipeline's order; a worker that dies or stops answering makes
+``execute`` raise :class:`ExecutorDeadError` (the step's requests fail with its message)
+and every later call raise it again at once (the executor is not restarted: build a new
+pipeline); ``shutdown()`` is idempotent and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
+
+__all__ = ["Executor", "ExecutorDeadError"]
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died, hung or failed; the executor serves nothing more. The message says which and why."""
+
+
+class _FinishedPromptLogprobs:
+    """The driver's view of the runner's ``prompt_logprobs`` (only ``finished`` is read)."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, Any] = {}
+
+
+class Executor(ABC):
+    """Runs the model for the scheduler (see the module docstring).
+
+    Attributes:
+        name: the registry name.
+        in_process: True when the pipeline's own in-process runner does the work
+            (then the pipeline allocates the KV cache and builds the runner itself).
+        world_size: ranks of one replica (tensor x pipeline parallel).
+        last_verification: ``(drafts verified, drafts accepted)`` per request of the last step.
+    """
+
+    name: ClassVar[str] = "executor"
+    in_process: ClassVar[bool] = False
+    supports_structured_outputs: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.world_size = 1
+        self.last_verification: list[tuple[int, int]] = []
+        self.prompt_logprobs = _FinishedPromptLogprobs()
+        self.kv_cache_bytes = 0
+
+    @abstractmethod
+    def start(self, spec: Any) -> None:
+        """Build the workers from a :class:`~servelab.executor.worker.WorkerSpec`."""
+
+    @abstractmethod
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the output of the last rank."""
+
+    @abstractmethod
+    def rollback(self, so: SchedulerOutput) -> None:
+        """Undo ``so``'s step on every rank (the runner's ``rollback``)."""
+
+    @abstractmethod
+    def remove_request(self, req_id: str) -> None:
+        """Forget a finished request on every rank (may be sent with the next step)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); later calls raise :class:`ExecutorDeadError`."""
+
+    def check_health(self) -> None:
+        """Raise :class:`ExecutorDeadError` if a worker is dead or unresponsive (default: never)."""
+
+    def comm_stats(self) -> list[dict[str, float]]:
+        """Per rank: ``{"comm_s", "compute_s", "steps"}`` so far (communication vs the rest of ``execute``)."""
+        return []
