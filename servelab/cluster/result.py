@@ -24,7 +24,18 @@ class ClusterResult:
             tokens across the replicas the router chose from (1.0 = perfect).
         routed: requests sent to each replica by the router.
         roles: ``"both"``, or ``"prefill"`` / ``"decode"`` with P/D.
-        pd: the P/D option as a dict (empty when colocated).
+        pd: the P/D option as a dict (empty when colocated), and what the
+            decode side did: ``kv_waits`` (transfers that waited for decode
+            memory), ``transferred_tokens``, ``decode_cached_tokens`` (prompt
+            tokens the decode halves were admitted with: transferred or local
+            hits), ``decode_recomputed_tokens`` / ``decode_recomputed_requests``
+            (tokens scheduled on a decode replica past one per output token:
+            recompute after a preemption), ``released_loads``.
+        decode_recomputed: per request, the tokens its decode half recomputed
+            (only requests that recomputed some).
+
+    ``cluster.latency(name)`` carries the failed count beside the figures
+    (failed requests have no latency), and :meth:`summary` leads with it.
     """
 
     router: str
@@ -35,14 +46,16 @@ class ClusterResult:
     roles: list[str]
     pd: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    decode_recomputed: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.cluster.prefix_hit_rate
 
     def summary(self) -> dict[str, float | str]:
-        """The cluster's flat metrics plus router, replica count, imbalance and P/D fields."""
-        row: dict[str, float | str] = {"router": self.router, "replicas": len(self.replicas)}
+        """The failed count first, then the cluster's flat metrics plus router, replica count, imbalance and P/D fields."""
+        row: dict[str, float | str] = {"failed": self.cluster.num_failed, "router": self.router,
+                                       "replicas": len(self.replicas)}
         row.update(self.cluster.summary())
         row.pop("policy", None)
         row["policy"] = self.cluster.policy

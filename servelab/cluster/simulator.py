@@ -1,12 +1,13 @@
 """``simulate_cluster``: N replicas, a router in front, one virtual clock.
 
 Each replica is the real :class:`~servelab.scheduling.Scheduler` and
-:class:`~servelab.blocks.KVCacheManager`, stepped as in the single-replica
-simulator (:mod:`servelab.scheduling.simulator.engine`): a step starts with
-``schedule()``, lasts what the :class:`StepCostModel` says, and ends with
-``update_from_output`` (one fake token for each request whose computation
-reached its end). Replicas step independently; a discrete-event loop orders
-arrivals, step ends and (with P/D) KV arrivals on the shared clock.
+:class:`~servelab.blocks.KVCacheManager`, stepped by the one simulation loop
+(:mod:`servelab.scheduling.simulator.loop`, the single-replica simulator's):
+a step starts with ``schedule()``, lasts what the cost model says of its
+``SchedulerOutput``, and ends with ``update_from_output``. Replicas step
+independently; the loop orders arrivals, step ends and (with P/D) KV
+transfers landing on the shared clock. One replica gives exactly
+:func:`~servelab.scheduling.simulator.simulate`'s answers, for every cost model.
 
 At its arrival a request is hashed (its full prompt blocks) and the router
 chooses a replica from their :class:`~servelab.cluster.router.ReplicaState`;
@@ -16,18 +17,15 @@ would subscribe to). The request joins that replica's waiting queue and is
 scheduled at the replica's next step.
 
 With ``pd=PD(...)`` (:mod:`servelab.cluster.pd`) the router chooses among the
-prefill replicas; after its first token the request's KV crosses the prefill
-replica's link to the least-loaded decode replica, waits there for memory,
-and decodes.
+prefill replicas; after its first token the request goes to the least-loaded
+decode replica, whose scheduler loads its KV through its own connector path
+(``WAITING_FOR_REMOTE_KVS``, :class:`~servelab.cluster.pd.RemotePrefillConnector`).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -36,62 +34,23 @@ from servelab._internal.validation import check_int
 from servelab.blocks import FullAttentionSpec, KVCacheManager
 from servelab.blocks.events import KVEventIndex
 from servelab.blocks.specs import AttentionSpec
-from servelab.cluster.pd import DEFAULT_KV_SPEC, DEFAULT_NUM_LAYERS, PD, kv_bytes_per_token
+from servelab.cluster.pd import DEFAULT_KV_SPEC, DEFAULT_NUM_LAYERS, PD, RemotePrefillConnector, kv_bytes_per_token
 from servelab.cluster.result import ClusterResult
 from servelab.cluster.router import ReplicaState, RouteRequest, Router, get_router
-from servelab.samplers.params import SamplingParams
 from servelab.scheduling.config import SchedulerConfig
-from servelab.scheduling.output import ModelRunnerOutput
-from servelab.scheduling.policies import SchedulingPolicy, get_policy
-from servelab.scheduling.request import Request, RequestMetrics, RequestStatus
+from servelab.scheduling.policies import get_policy
+from servelab.scheduling.request import RequestMetrics
 from servelab.scheduling.scheduler import Scheduler
 from servelab.scheduling.simulator.cost_model import StepCostModel
-from servelab.scheduling.simulator.engine import FAKE_TOKEN, VirtualClock
+from servelab.scheduling.simulator.loop import Replica, RequestFactory, SimLoop, VirtualClock, step_timer
 from servelab.scheduling.simulator.metrics import SimulationResult
-from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload, validate_trace
+from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, arrival_stream
 
 __all__ = ["simulate_cluster"]
 
-_STEP_END, _KV_ARRIVAL = 0, 1
-_ONE = [FAKE_TOKEN]
-_NOTHING: list[int] = []
-
-
-class _Placeholder:
-    """A transferred prompt as the decode replica's KV manager sees it while its blocks are written."""
-
-    __slots__ = ("request_id", "num_tokens", "num_computed_tokens", "block_hashes")
-
-    def __init__(self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> None:
-        self.request_id, self.num_tokens, self.num_computed_tokens = request_id, num_tokens, 0
-        self.block_hashes = block_hashes
-
-
-class _Replica:
-    """One replica's scheduler, cache, event-fed index and bookkeeping."""
-
-    def __init__(self, index: int, role: str, sched: Scheduler, kv: KVCacheManager, kv_index: KVEventIndex) -> None:
-        self.index, self.role, self.sched, self.kv, self.kv_index = index, role, sched, kv, kv_index
-        self.outstanding = 0
-        self.tokens_of: dict[str, int] = {}
-        self.busy = False
-        self.in_flight = None
-        self.finished: list[RequestMetrics] = []
-        self.num_steps = 0
-        self.kv_times: list[float] = []
-        self.kv_usage: list[float] = []
-        self.routed = 0
-        self.remote_wait: list[Request] = []  # decode halves whose KV arrived, waiting for memory
-        self.link_free = 0.0  # prefill replicas: when the outgoing KV link is idle again
-
-    def state(self, request: RouteRequest) -> ReplicaState:
-        sched = self.sched
-        return ReplicaState(self.index, len(sched.waiting), len(sched.running), self.outstanding, self.kv.usage,
-                            sched.running, self.kv_index, request)
-
 
 def simulate_cluster(
-    trace: WorkloadSpec | Sequence[TraceRequest],
+    trace: WorkloadSpec | Iterable[TraceRequest],
     replicas: int | None = None,
     router: str | Router = "round_robin",
     *,
@@ -112,7 +71,8 @@ def simulate_cluster(
     """Serve ``trace`` with ``replicas`` replicas behind ``router``; return the metrics.
 
     Args:
-        trace: a :class:`WorkloadSpec` (generated here, seeded) or requests.
+        trace: a :class:`WorkloadSpec` (generated here, seeded, as read), a list of
+            requests or an iterable of them in arrival order (read lazily).
         replicas: number of replicas (colocated); with ``pd`` it may be left
             None or must equal ``pd.prefill_replicas + pd.decode_replicas``.
         router: a registered name (``available_routers()``; built fresh, with
@@ -125,31 +85,40 @@ def simulate_cluster(
         kv_spec, num_layers: the model's KV (bytes moved by P/D transfers).
 
     Returns:
-        A :class:`ClusterResult`.
+        A :class:`ClusterResult`: with P/D, its ``pd`` dict counts the decode
+        side's cached (transferred or locally hit) and recomputed tokens.
     """
     num_replicas, roles = _replica_roles(replicas, pd)
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a registered policy name (each replica builds its own), "
                         f"got {type(policy).__name__}")
+    if pd is not None and not enable_prefix_caching:
+        raise ValueError("pd needs enable_prefix_caching=True: the decode replica's scheduler commits the "
+                         "transferred KV to its prefix cache (its connector path)")
     router_obj = get_router(router, **(router_kwargs or {})) if isinstance(router, str) else get_router(router)
-    requests = generate_workload(trace) if isinstance(trace, WorkloadSpec) else list(trace)
-    validate_trace(requests)
+    arrivals = arrival_stream(trace)
     config = scheduler_config or SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
-    clock = VirtualClock(min((r.arrival_time for r in requests), default=0.0))
+    cost = cost_model or StepCostModel()
+    clock = VirtualClock()
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")
-    reps = []
+    bytes_per_token = 0 if pd is None else (pd.kv_bytes_per_token or kv_bytes_per_token(kv_spec, num_layers))
+    cluster = _Cluster(router_obj, clock, pd, block_size, bytes_per_token, enable_prefix_caching)
+    front_build, decode_build = RequestFactory(prefill_only=pd is not None), RequestFactory()
     for i, role in enumerate(roles):
-        index = KVEventIndex()
+        index = KVEventIndex() if enable_prefix_caching and role != "decode" else None
         kv = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=config.max_model_len,
-                            watermark=watermark, kv_event_subscribers=[index] if enable_prefix_caching else None)
-        reps.append(_Replica(i, role, Scheduler(config, kv, get_policy(policy), clock=clock), kv, index))
-    loop = _Loop(reps, router_obj, clock, cost_model or StepCostModel(), pd, block_size,
-                 kv_bytes_per_token(kv_spec, num_layers) if pd is not None and pd.kv_bytes_per_token is None
-                 else (pd.kv_bytes_per_token if pd is not None else 0), enable_prefix_caching)
+                            watermark=watermark, kv_event_subscribers=[index] if index is not None else None)
+        connector = RemotePrefillConnector(cluster.transfer_starter(i)) if role == "decode" else None
+        sched = Scheduler(config, kv, get_policy(policy), clock=clock, kv_connector=connector)
+        time_of = step_timer(cost)  # one per replica: a stateful cost model's state is the replica's
+        if role == "decode":
+            time_of = cluster.counting(time_of)
+        cluster.add_replica(Replica(i, role, sched, kv, time_of, decode_build if role == "decode" else front_build,
+                                    kv_index=index))
     wall = time.perf_counter()
-    loop.run(sorted(requests, key=lambda r: r.arrival_time), _RequestFactory(pd is not None))
+    cluster.run(arrivals)
     wall = time.perf_counter() - wall
-    return _result(loop, router, router_obj, policy, pd, ttft_slo_s, tpot_slo_s, wall, num_blocks, block_size)
+    return _result(cluster, router, router_obj, policy, pd, ttft_slo_s, tpot_slo_s, wall, num_blocks, block_size)
 
 
 def _replica_roles(replicas: int | None, pd: PD | None) -> tuple[int, list[str]]:
@@ -166,77 +135,49 @@ def _replica_roles(replicas: int | None, pd: PD | None) -> tuple[int, list[str]]
     return replicas, ["both"] * replicas
 
 
-class _RequestFactory:
-    """The scheduler ``Request`` of a trace request, built at its arrival (a real
-    trace's prompts are lists only while live); with P/D, the prefill half (one
-    output token). ``SamplingParams`` are shared per ``max_tokens``."""
+class _Cluster:
+    """The router and P/D hand-offs over the one simulation loop."""
 
-    def __init__(self, prefill_only: bool) -> None:
-        self.prefill_only = prefill_only
-        self._params: dict[int, SamplingParams] = {}
-
-    def __call__(self, r: TraceRequest) -> Request:
-        n = 1 if self.prefill_only else r.max_tokens
-        params = self._params.get(n)
-        if params is None:
-            params = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True)
-        return Request(r.request_id, r.prompt_token_ids, params, arrival_time=r.arrival_time,
-                       priority=r.priority, client_id=r.client_id)
-
-
-class _Loop:
-    """The discrete-event loop (arrivals, step ends, KV arrivals on one clock)."""
-
-    def __init__(self, reps: list[_Replica], router: Router, clock: VirtualClock, cost: StepCostModel,
-                 pd: PD | None, block_size: int, bytes_per_token: int, hashing: bool) -> None:
-        self.reps, self.router, self.clock, self.cost, self.pd = reps, router, clock, cost, pd
+    def __init__(self, router: Router, clock: VirtualClock, pd: PD | None, block_size: int, bytes_per_token: int,
+                 hashing: bool) -> None:
+        self.router, self.clock, self.pd = router, clock, pd
         self.block_size, self.bytes_per_token, self.hashing = block_size, bytes_per_token, hashing
-        self.front = [r for r in reps if r.role != "decode"]
-        self.decoders = [r for r in reps if r.role == "decode"]
-        self.heap: list[tuple] = []
-        self.seq = itertools.count()
+        self.reps: list[Replica] = []
+        self.front: list[Replica] = []
+        self.decoders: list[Replica] = []
+        self.loop = SimLoop(self.reps, clock, self._route, self._finished)
         self.done: list[RequestMetrics] = []
-        self.trace_of: dict[str, TraceRequest] = {}
         self.imbalance_sum, self.imbalance_n = 0.0, 0
+        # P/D: requests between their halves.
+        self.trace_of: dict[str, TraceRequest] = {}
         self.prefill_part: dict[str, RequestMetrics] = {}
-        self.num_kv_waits = 0  # transfers that found no memory on arrival
+        self.source_of: dict[str, Replica] = {}  # the prefill replica whose link carries the KV
+        self.handed_at: dict[str, float] = {}  # when the decode half reached its decode replica
+        self.decode_scheduled: dict[str, int] = {}  # tokens each decode half was scheduled on its replica
+        self.num_kv_waits = 0  # transfers that could not start when their request reached the decode replica
+        self.transferred_tokens = 0
+        self.decode_cached_tokens = 0
+        self.decode_recomputed_tokens = 0
+        self.decode_recomputed_requests = 0
+        self.decode_recomputed: dict[str, int] = {}
 
-    # ---- the loop ----------------------------------------------------------------
+    def add_replica(self, rep: Replica) -> None:
+        self.reps.append(rep)
+        (self.decoders if rep.role == "decode" else self.front).append(rep)
 
-    def run(self, pending: list[TraceRequest], build: _RequestFactory) -> None:
-        heap, clock = self.heap, self.clock
-        i, n = 0, len(pending)
-        while i < n or heap:
-            t_arrival = pending[i].arrival_time if i < n else math.inf
-            kick: set[_Replica] = set()
-            if heap and heap[0][0] < t_arrival:
-                t, _, kind, obj = heapq.heappop(heap)
-                clock.now = t
-                if kind == _STEP_END:
-                    self._end_step(obj)
-                    kick.add(obj)
-                else:
-                    kick.add(self._kv_arrived(*obj))
-            else:
-                clock.now = t_arrival
-                while i < n and pending[i].arrival_time <= t_arrival:
-                    kick.add(self._route(build(pending[i]), pending[i]))
-                    i += 1
-            for rep in kick:
-                if not rep.busy:
-                    self._start_step(rep)
-        stuck = [r.index for r in self.reps if r.sched.requests or r.remote_wait]
-        if stuck:
-            raise RuntimeError(f"replicas {stuck} still hold requests that can never be scheduled "
-                               "(a prompt larger than the KV cache?)")
+    def run(self, arrivals: Iterable[TraceRequest]) -> None:
+        self.loop.run(arrivals)
 
-    def _route(self, request: Request, trace: TraceRequest) -> _Replica:
+    # ---- arrivals ------------------------------------------------------------------
+
+    def _route(self, trace: TraceRequest) -> Replica | None:
+        front = self.front
+        request = front[0].build(trace)
         if self.hashing:
             request.init_block_hasher(self.block_size)
         route = RouteRequest(request.request_id, request.prompt_token_ids, request.block_hashes,
                              self.block_size, trace.max_tokens, request.client_id)
-        front = self.front
-        states = [r.state(route) for r in front]
+        states = [_state(r, route) for r in front]
         choice = self.router.choose(route, states)
         if type(choice) is not int or not 0 <= choice < len(front):
             raise ValueError(f"router {self.router!r} returned {choice!r} for request {request.request_id!r}; "
@@ -253,114 +194,104 @@ class _Loop:
         tokens = request.num_prompt_tokens + trace.max_tokens
         rep.outstanding += tokens
         rep.tokens_of[request.request_id] = tokens
-        self._add(rep, request)
+        self.loop.add_request(rep, request)
         return rep
 
-    def _add(self, rep: _Replica, request: Request) -> bool:
-        try:
-            rep.sched.add_request(request)
-        except ValueError as exc:  # e.g. a prompt over max_model_len: counted as failed
-            self._fail(rep, request, str(exc))
-            return False
-        return True
+    # ---- ends -----------------------------------------------------------------------
 
-    def _fail(self, rep: _Replica, request: Request, error: str) -> None:
-        request.status, request.error = RequestStatus.FINISHED_FAILED, error
-        request.finish_time = self.clock.now
-        self._finished(rep, request.metrics())
-
-    # ---- steps ---------------------------------------------------------------------
-
-    def _start_step(self, rep: _Replica) -> None:
-        sched = rep.sched
-        if not sched.requests:
-            return
-        out = sched.schedule()
-        if out.num_scheduled_tokens:
-            rep.busy, rep.in_flight = True, out
-            end = self.clock.now + self.cost.step_time(out.total_num_scheduled_tokens, out.total_num_kv_tokens)
-            heapq.heappush(self.heap, (end, next(self.seq), _STEP_END, rep))
-        else:  # only failures this step: report them; the replica waits for new work
-            self._apply(rep, out, ModelRunnerOutput([], []))
-
-    def _end_step(self, rep: _Replica) -> None:
-        out, rep.in_flight, rep.busy = rep.in_flight, None, False
-        live = rep.sched.requests
-        ids = list(out.num_scheduled_tokens)
-        sampled = [_ONE if live[r].num_computed_tokens >= live[r].num_tokens else _NOTHING for r in ids]
-        self._apply(rep, out, ModelRunnerOutput(ids, sampled))
-        if rep.remote_wait:
-            self._admit_waiting(rep)
-
-    def _apply(self, rep: _Replica, out, model_out: ModelRunnerOutput) -> None:
-        for o in rep.sched.update_from_output(out, model_out):
-            if o.finished:
-                self._finished(rep, o.metrics)
-        rep.num_steps += 1
-        rep.kv_times.append(self.clock.now)
-        rep.kv_usage.append(rep.kv.usage)
-
-    def _finished(self, rep: _Replica, m: RequestMetrics) -> None:
-        rep.finished.append(m)
-        rep.outstanding -= rep.tokens_of.pop(m.request_id, 0)
+    def _finished(self, rep: Replica, m: RequestMetrics) -> None:
         if rep.role == "prefill":
             self._prefilled(rep, m)
         elif rep.role == "decode":
-            self.done.append(_join(self.prefill_part.pop(m.request_id), m))
+            rid = m.request_id
+            scheduled = self.decode_scheduled.pop(rid, 0)
+            recomputed = max(scheduled - m.num_output_tokens, 0)  # every token past one per output
+            self.decode_cached_tokens += m.num_cached_tokens
+            self.decode_recomputed_tokens += recomputed
+            if recomputed:
+                self.decode_recomputed_requests += 1
+                self.decode_recomputed[rid] = recomputed
+            self.source_of.pop(rid, None)
+            self.handed_at.pop(rid, None)
+            self.done.append(_join(self.prefill_part.pop(rid), m))
         else:
             self.done.append(m)
 
     # ---- P/D -------------------------------------------------------------------------
 
-    def _prefilled(self, rep: _Replica, m: RequestMetrics) -> None:
-        """A prefill ended: send its KV to the least-loaded decode replica (or finish)."""
-        trace = self.trace_of.pop(m.request_id)
+    def _prefilled(self, rep: Replica, m: RequestMetrics) -> None:
+        """A prefill ended: its decode half goes to the least-loaded decode replica, whose
+        scheduler loads the KV through its connector (or the request ends here)."""
+        rid = m.request_id
+        trace = self.trace_of.pop(rid)
         if m.finish_reason not in ("stop", "length") or trace.max_tokens <= 1:
             self.done.append(m)
             return
-        self.prefill_part[m.request_id] = m
+        self.prefill_part[rid] = m
         dest = min(self.decoders, key=lambda r: r.outstanding)
         tokens = m.num_prompt_tokens + trace.max_tokens - 1
         dest.outstanding += tokens
-        dest.tokens_of[m.request_id] = tokens
-        start = max(self.clock.now, rep.link_free)
-        rep.link_free = start + self.pd.transfer_s(m.num_prompt_tokens, self.bytes_per_token)
-        decode = Request(m.request_id, list(trace.prompt_token_ids) + [FAKE_TOKEN],
-                         SamplingParams(max_tokens=trace.max_tokens - 1, ignore_eos=True),
-                         arrival_time=rep.link_free, priority=trace.priority, client_id=trace.client_id)
-        heapq.heappush(self.heap, (rep.link_free, next(self.seq), _KV_ARRIVAL, (dest, decode)))
+        dest.tokens_of[rid] = tokens
+        self.source_of[rid] = rep
+        self.handed_at[rid] = self.clock.now
+        connector = dest.sched.kv_connector
+        connector.expect(rid, m.num_prompt_tokens)
+        if not self.loop.add_request(dest, dest.build.decode_half(trace)):
+            connector.forget(rid)
+            return
+        if not dest.busy:  # it may be idle: let it schedule (at this same instant)
+            self.loop.at(self.clock.now, _same, dest)
 
-    def _kv_arrived(self, dest: _Replica, decode: Request) -> _Replica:
-        dest.remote_wait.append(decode)
-        self._admit_waiting(dest)
-        if dest.remote_wait and dest.remote_wait[-1] is decode:
-            self.num_kv_waits += 1
-        return dest
+    def transfer_starter(self, index: int):
+        """The callback decode replica ``index``'s connector calls when its scheduler has allocated
+        blocks for ``num_tokens`` transferred tokens: the KV crosses the source's link (first come,
+        first served) and lands at the decode replica."""
 
-    def _admit_waiting(self, rep: _Replica) -> None:
-        """Give memory to transferred KV, first come first served (WAITING_FOR_REMOTE_KVS)."""
-        kv = rep.kv
-        while rep.remote_wait:
-            decode = rep.remote_wait[0]
-            if self.hashing:
-                decode.init_block_hasher(self.block_size)
-            n = decode.num_prompt_tokens - 1  # the prompt's KV; the first output token is computed here
-            hold = _Placeholder("kv-transfer/" + decode.request_id, n, decode.block_hashes)
-            blocks, hit = kv.get_computed_blocks(hold)
-            if kv.allocate_slots(hold, n - hit, hit, blocks) is None:
-                if not kv.req_to_blocks:  # nothing will ever free memory: it cannot fit
-                    rep.remote_wait.pop(0)
-                    self._fail(rep, decode, "the transferred KV does not fit the decode replica's cache")
-                    continue
-                return
-            rep.remote_wait.pop(0)
-            kv.cache_blocks(hold, n)  # the KV is written: the blocks join the prefix cache ...
-            kv.free(hold)  # ... and are released to it, most recently used: the request's admission hits them
-            self._add(rep, decode)
+        def start(request_id: str, num_tokens: int) -> None:
+            dest = self.reps[index]
+            src = self.source_of[request_id]
+            now = self.clock.now
+            if now > self.handed_at.get(request_id, now):
+                self.num_kv_waits += 1
+            begin = max(now, src.link_free)
+            src.link_free = begin + self.pd.transfer_s(num_tokens, self.bytes_per_token)  # type: ignore[union-attr]
+            self.transferred_tokens += num_tokens
+            self.loop.at(src.link_free, _landed, (dest, request_id))
+
+        return start
+
+    def counting(self, time_of):
+        """``time_of`` that also counts the tokens each request is scheduled (decode replicas: what
+        they recompute is every scheduled token past one per output token)."""
+        counts = self.decode_scheduled
+
+        def timed(out) -> float:
+            for rid, n in out.num_scheduled_tokens.items():
+                counts[rid] = counts.get(rid, 0) + n
+            return time_of(out)
+
+        return timed
+
+
+def _same(rep: Replica) -> Replica:
+    return rep
+
+
+def _landed(arg: tuple[Replica, str]) -> Replica:
+    """A transfer landed: its decode replica hears it at its next step end (or now, if idle)."""
+    dest, request_id = arg
+    dest.landed.add(request_id)
+    return dest
+
+
+def _state(rep: Replica, request: RouteRequest) -> ReplicaState:
+    sched = rep.sched
+    return ReplicaState(rep.index, rep.num_waiting, len(sched.running), rep.outstanding, rep.kv.usage,
+                        sched.running, rep.kv_index, request)
 
 
 def _join(prefill: RequestMetrics, decode: RequestMetrics) -> RequestMetrics:
-    """One request's metrics from its prefill and decode halves."""
+    """One request's metrics from its prefill and decode halves (cached tokens: the prefill's)."""
     return RequestMetrics(
         prefill.request_id, prefill.client_id, prefill.priority, decode.finish_reason, prefill.num_prompt_tokens,
         prefill.num_output_tokens + decode.num_output_tokens, prefill.num_cached_tokens,
@@ -368,20 +299,25 @@ def _join(prefill: RequestMetrics, decode: RequestMetrics) -> RequestMetrics:
         prefill.first_token_time, decode.finish_time, list(prefill.token_times) + list(decode.token_times))
 
 
-def _result(loop: _Loop, router: str | Router, router_obj: Router, policy: str, pd: PD | None, ttft_slo_s: float,
-            tpot_slo_s: float, wall: float, num_blocks: int, block_size: int) -> ClusterResult:
+def _result(cluster: _Cluster, router: str | Router, router_obj: Router, policy: str, pd: PD | None,
+            ttft_slo_s: float, tpot_slo_s: float, wall: float, num_blocks: int, block_size: int) -> ClusterResult:
     name = router if isinstance(router, str) else getattr(router_obj, "name", type(router_obj).__name__)
+    reps = cluster.reps
     per = [SimulationResult(f"{policy}@{r.index}", r.finished, r.num_steps, r.sched.num_preemptions,
                             np.asarray(r.kv_times), np.asarray(r.kv_usage), wall, ttft_slo_s, tpot_slo_s)
-           for r in loop.reps]
+           for r in reps]
     kv_times = np.concatenate([p.kv_times for p in per]) if per else np.array([])
     kv_usage = np.concatenate([p.kv_usage for p in per]) if per else np.array([])
-    cluster = SimulationResult(policy, loop.done, sum(p.num_steps for p in per),
-                               sum(p.num_preemptions for p in per), kv_times, kv_usage, wall, ttft_slo_s,
-                               tpot_slo_s, extra={"num_blocks": num_blocks, "block_size": block_size})
-    imbalance = loop.imbalance_sum / loop.imbalance_n if loop.imbalance_n else 1.0
-    pd_fields = {} if pd is None else {
+    whole = SimulationResult(policy, cluster.done, sum(p.num_steps for p in per),
+                             sum(p.num_preemptions for p in per), kv_times, kv_usage, wall, ttft_slo_s,
+                             tpot_slo_s, extra={"num_blocks": num_blocks, "block_size": block_size})
+    imbalance = cluster.imbalance_sum / cluster.imbalance_n if cluster.imbalance_n else 1.0
+    pd_fields: dict[str, Any] = {} if pd is None else {
         "prefill": pd.prefill_replicas, "decode": pd.decode_replicas, "bandwidth_gbps": pd.kv_bandwidth_gbps,
-        "latency_s": pd.kv_latency_s, "bytes_per_token": loop.bytes_per_token, "kv_waits": loop.num_kv_waits}
-    return ClusterResult(name, cluster, per, imbalance, [r.routed for r in loop.reps], [r.role for r in loop.reps],
-                         pd_fields, wall)
+        "latency_s": pd.kv_latency_s, "bytes_per_token": cluster.bytes_per_token, "kv_waits": cluster.num_kv_waits,
+        "transferred_tokens": cluster.transferred_tokens, "decode_cached_tokens": cluster.decode_cached_tokens,
+        "decode_recomputed_tokens": cluster.decode_recomputed_tokens,
+        "decode_recomputed_requests": cluster.decode_recomputed_requests,
+        "released_loads": sum(r.sched.num_released_loads for r in cluster.decoders)}
+    return ClusterResult(name, whole, per, imbalance, [r.routed for r in reps], [r.role for r in reps],
+                         pd_fields, wall, cluster.decode_recomputed)

@@ -92,6 +92,14 @@ class ConnectorStates:
         """Requests whose load landed or failed: never offered external tokens again."""
         self.num_external_hit_tokens = 0
         self.num_failed_loads = 0
+        self._holds_loaded = bool(getattr(kv_connector, "holds_loaded_blocks", False))
+        """vLLM's P/D consumer semantics (a connector with ``holds_loaded_blocks = True``): a load may
+        cover the prompt through a partial last block, and a landed request keeps its loaded blocks
+        (allocated to it, never in the evictable pool) until it is admitted."""
+        self._loaded_held: dict[str, Request] = {}
+        """Waiting requests that hold their landed, loaded KV (only with ``holds_loaded_blocks``)."""
+        self.num_released_loads = 0
+        """Held loads released to the prefix cache to break a stall (nothing else could free memory)."""
 
     def attach_kv_connector(self, kv_connector: Any) -> None:
         """Give a scheduler that holds no request yet a KV connector (what ``kv_connector=`` does)."""
@@ -109,7 +117,9 @@ class ConnectorStates:
         if not num_ext:
             return 0, False
         room = max(req.num_tokens - 1 - num_hit, 0)  # the last token is computed for its logits
-        num_ext = min(int(num_ext), room) // self.block_size * self.block_size
+        num_ext = min(int(num_ext), room)
+        if not (self._holds_loaded and num_ext == room):  # a remote prefill sends its partial last block too
+            num_ext = num_ext // self.block_size * self.block_size
         return num_ext, bool(load_async) and num_ext > 0
 
     def _park_for_load(self, req: Request, num_hit: int, hit_blocks: Any, num_ext: int) -> bool:
@@ -156,7 +166,7 @@ class ConnectorStates:
     def has_pending_kv_transfers(self) -> bool:
         """True while blocks are held for a connector or a load is in flight."""
         connector = getattr(self, "kv_connector", None)
-        return bool(self._delayed_free or self._waiting_remote) or (
+        return bool(self._delayed_free or self._waiting_remote or self._loaded_held) or (
             connector is not None and connector.has_pending_work())
 
     def _update_kv_transfers(self, result: Any) -> None:
@@ -180,11 +190,15 @@ class ConnectorStates:
                 self._load_failed(req, status)
                 continue
             # Commit after compute: the loaded KV is in the pool now. Then the blocks go to the
-            # prefix cache and the request's admission finds them as a local hit.
+            # prefix cache and the request's admission finds them as a local hit (or, with
+            # holds_loaded_blocks, the request keeps them until its admission, as vLLM does).
             req.num_computed_tokens = num_hit + num_ext
             self.kv_cache_manager.cache_blocks(req, num_hit + num_ext)
-            self.kv_cache_manager.free(req)
-            req.num_computed_tokens = 0
+            if self._holds_loaded:
+                self._loaded_held[rid] = req
+            else:
+                self.kv_cache_manager.free(req)
+                req.num_computed_tokens = 0
             req.status = status
             self._no_external.add(rid)
             self._requeue(req, "loaded")
@@ -229,6 +243,7 @@ class ConnectorStates:
         """A request is ending: True if its blocks must stay held (delayed free)."""
         rid = request.request_id
         self._waiting_remote.pop(rid, None)
+        self._loaded_held.pop(rid, None)
         plan = self._remote_plan.pop(rid, None)
         loading = plan is not None and plan[3]
         self._no_external.discard(rid)
@@ -250,6 +265,8 @@ class ConnectorStates:
         """Admit ``req`` (the head of the waiting queue) as ``_schedule_waiting`` does, plus
         external tokens; returns the budget it used, or None to stop admitting."""
         kv, cfg = self.kv_cache_manager, self.config
+        if req.request_id in self._loaded_held:
+            return self._admit_loaded(step, req, budget)
         if getattr(req.sampling_params, "prompt_logprobs", None) is not None and req.num_tokens <= req.num_prompt_tokens:
             hit_blocks, num_hit, num_ext, load_async = None, 0, 0, False  # prompt logprobs: compute it all
         else:
@@ -277,6 +294,8 @@ class ConnectorStates:
         new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks, ahead)
         if new_blocks is None and ahead:
             new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks)
+        if new_blocks is None and self._release_loaded(req):
+            return self._admit_with_connector(step, req, budget)  # once: nothing is held any more
         if new_blocks is None and others_hold_kv:
             return None
         if not self._pop_waiting(req):
@@ -297,6 +316,58 @@ class ConnectorStates:
                 return 0
         self._admit(step, req, n, start)
         return n
+
+    def _admit_loaded(self, step: Any, req: Request, budget: int) -> int | None:
+        """Admit ``req``, which holds its landed KV (``holds_loaded_blocks``): it computes only the
+        tokens past the load (a P/D decode: its first output token). None: stop admitting."""
+        kv, cfg = self.kv_cache_manager, self.config
+        start = req.num_computed_tokens
+        n = req.num_tokens - start
+        if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
+            n = cfg.long_prefill_token_threshold
+        if n > budget:
+            if not cfg.enable_chunked_prefill:
+                return None
+            n = budget
+        new_blocks = kv.allocate_slots(req, n)
+        if new_blocks is None and self._release_loaded(req):
+            new_blocks = kv.allocate_slots(req, n)
+        if new_blocks is None and (self.running or self._delayed_free or self._waiting_remote
+                                   or len(self._loaded_held) > 1 or self.kv_connector.has_pending_work()):
+            return None  # their blocks come back
+        if not self._pop_waiting(req):
+            return None
+        del self._loaded_held[req.request_id]
+        if new_blocks is None:
+            self._fail(req, self._no_room_message(req, n))
+            return 0
+        if self._token_hook is not None:
+            try:
+                self._token_hook(req, n)
+            except Exception as exc:
+                self._fail(req, f"scheduling policy {self.policy!r}.on_tokens_scheduled raised "
+                                f"{type(exc).__name__}: {exc}")
+                return 0
+        self._admit(step, req, n, start)
+        return n
+
+    def _release_loaded(self, req: Request) -> bool:
+        """``req`` finds no room and only waiting requests holding landed loads could free any
+        (nothing runs, no transfer is in flight): release every such load but ``req``'s to the
+        prefix cache (their KV stays findable until evicted; counted in ``num_released_loads``).
+        True if one was released. Never happens without ``holds_loaded_blocks``."""
+        if not self._loaded_held or self.running or self._delayed_free or self._waiting_remote:
+            return False
+        if self.kv_connector.has_pending_work():
+            return False
+        others = [r for rid, r in self._loaded_held.items() if r is not req]
+        for other in others:
+            del self._loaded_held[other.request_id]
+            self.kv_cache_manager.free(other)
+            other.num_computed_tokens = 0
+            other.num_committed_blocks = 0
+            self.num_released_loads += 1
+        return bool(others)
 
     def _pop_waiting(self, req: Request) -> bool:
         """Pop ``req`` (the head); False if the policy's queue raised (then every waiting request failed)."""

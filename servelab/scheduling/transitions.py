@@ -75,6 +75,7 @@ class RequestTransitions:
     num_aborted: int
     kv_connector: Any
     _waiting_remote: dict[str, Request]
+    _loaded_held: dict[str, Request]
     _settle_kv_step: Callable[[SchedulerOutput, Any], None]
     _connector_holds_blocks: Callable[[Request], bool]
 
@@ -382,6 +383,7 @@ class RequestTransitions:
             self.kv_cache_manager.free(req)
             req.num_computed_tokens = 0
             req.num_committed_blocks = 0
+            self._loaded_held.pop(req.request_id, None)
             if req not in self.waiting:
                 self._requeue(req, "put back")
 

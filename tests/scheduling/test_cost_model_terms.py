@@ -42,9 +42,15 @@ def test_decode_continuity_marks_every_restart_and_only_those():
 
 def test_restart_terms_are_charged_by_time_of_in_step_order():
     model = StepCostModel(1e-3, 0.0, 0.0, per_prefill_seq_s=2e-3, per_decode_restart_s=5e-3, per_restarted_seq_s=1e-3)
-    times = [model.time_of(_out(c)) for c, _ in STEPS]
+    timer = model.timer()
+    times = [timer(_out(c)) for c, _ in STEPS]
     want = [1e-3 + 2e-3 * p + 5e-3 * r + 1e-3 * n for _, (p, r, n) in STEPS]
     np.testing.assert_allclose(times, want)
+    # The model holds no state: a second timer starts afresh, and time_of alone restarts every decode step.
+    again = model.timer()
+    assert [again(_out(c)) for c, _ in STEPS] == times
+    carried = _out({"a": 1, "b": 1})
+    assert model.time_of(carried) == model.time_of(carried) == pytest.approx(1e-3 + 5e-3 + 2e-3)
     old = StepCostModel(1e-3, 1e-5, 1e-7)  # the three-term model stays stateless and unchanged
     assert [old.time_of(_out(c)) for c, _ in STEPS] == [old.time_of(_out(c)) for c, _ in STEPS]
     assert old.time_of(_out({"a": 1})) == pytest.approx(1e-3 + 1e-5 + 1e-7 * 11)

@@ -18,10 +18,12 @@ overhead). The three original coefficients keep their meaning and defaults
 (round numbers for a 7B fp16 model on one A100-class GPU: ~9 ms to stream
 14 GB of weights, ~70 us of FLOPs per token, ~0.35 us per 512 KB token of KV);
 the new terms default to 0, so ``StepCostModel(base, per_token, per_kv)``
-behaves as before. The two restart terms are the only stateful ones: with
-either non-zero, ``time_of`` remembers the previous step's requests
-(:class:`.features.DecodeContinuity`), so call it once per step, in order
-(the simulator does); ``step_time`` takes them as arguments.
+behaves as before. The two restart terms depend on the previous step's
+requests (:class:`.features.DecodeContinuity`); the model itself holds no
+state: ``timer()`` returns a ``time_of`` with its own continuity, for one
+sequence of steps (the simulator takes one per run and replica), and
+``time_of(out, continuity)`` takes it as an argument (without one, every
+decode step counts as a restart); ``step_time`` takes the counts as arguments.
 
 Where the numbers come from:
 
@@ -40,7 +42,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -66,8 +69,6 @@ class StepCostModel:
     per_prefill_seq_s: float = 0.0
     per_decode_restart_s: float = 0.0
     per_restarted_seq_s: float = 0.0
-    # The previous step's requests, for the restart terms (not a coefficient: not compared, not printed).
-    _continuity: DecodeContinuity = field(default_factory=DecodeContinuity, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -90,15 +91,24 @@ class StepCostModel:
                 + self.per_decode_restart_s * decode_restarts
                 + self.per_restarted_seq_s * restarted_decode_seqs)
 
-    def time_of(self, out) -> float:
-        """Seconds for the step a ``SchedulerOutput`` describes (stateful with restart terms: see the
-        module docstring)."""
+    def time_of(self, out, continuity: DecodeContinuity | None = None) -> float:
+        """Seconds for the step a ``SchedulerOutput`` describes. ``continuity``: the sequence's
+        :class:`.features.DecodeContinuity` for the restart terms (None: a fresh one, so a decode
+        step counts as a restart); :meth:`timer` binds one."""
         if self.per_prefill_seq_s or self.per_decode_restart_s or self.per_restarted_seq_s:
-            return self.step_time(*step_features(out), *extra_features(out, self._continuity))
+            return self.step_time(*step_features(out), *extra_features(out, continuity or DecodeContinuity()))
         if not (self.per_seq_s or self.per_prefill_token_s or self.per_attn_pair_s):
             return self.base_s + self.per_token_s * out.total_num_scheduled_tokens + \
                 self.per_kv_token_s * out.total_num_kv_tokens
         return self.step_time(*step_features(out))
+
+    def timer(self) -> Callable[[object], float]:
+        """``time_of`` for one sequence of steps, with its own decode continuity (call it once per
+        step, in order): what the simulator charges each replica's steps with."""
+        if not (self.per_decode_restart_s or self.per_restarted_seq_s):
+            return self.time_of
+        continuity = DecodeContinuity()
+        return lambda out: self.time_of(out, continuity)
 
     @classmethod
     def fit(cls, steps: Sequence[Sequence[float]], *, outlier_mads: float | None = None,
@@ -168,7 +178,7 @@ class StepCostModel:
         return roofline_cost_model(hardware, model, **kwargs)
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _fit_subsets(design: np.ndarray, y: np.ndarray) -> np.ndarray:

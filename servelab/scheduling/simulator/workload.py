@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,7 +196,15 @@ class WorkloadSpec:
 
 
 def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
-    """The requests of ``spec``, sorted by arrival; reproducible from its seed."""
+    """The requests of ``spec``, sorted by arrival; reproducible from its seed (a list of
+    :func:`iter_workload`)."""
+    return list(iter_workload(spec))
+
+
+def iter_workload(spec: WorkloadSpec) -> Iterator[TraceRequest]:
+    """The requests of ``spec`` in arrival order, generated as they are read: the per-request
+    numbers are drawn up front (a few arrays of ``num_requests``), the prompts' token ids a chunk
+    at a time, so a million-request workload never holds every prompt."""
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
     if math.isinf(spec.rate):
@@ -215,16 +223,23 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     groups = rng.integers(0, max(spec.num_prefix_groups, 1), size=n)
     prefixes = [rng.integers(0, spec.vocab_size, size=spec.prefix_len).tolist()
                 for _ in range(spec.num_prefix_groups)]
-    tokens = rng.integers(0, spec.vocab_size, size=int(prompt_lens.sum())).astype(np.int32)
-    out, start = [], 0
+    # Token ids a chunk of requests at a time (the same stream as one draw of every token), in the
+    # smallest dtype that holds the vocabulary: a chunk lives while one of its prompts does.
+    dtype = np.uint16 if spec.vocab_size <= 1 << 16 else np.int32
     no_prefix: list[int] = []
-    for i in range(n):
-        end = start + int(prompt_lens[i])
-        prompt = PrefixedTokens(prefixes[groups[i]] if prefixes else no_prefix, tokens, start, end)
-        start = end
-        out.append(TraceRequest(f"req-{i}", float(arrivals[i]), prompt, int(output_lens[i]),
-                                f"client-{clients[i]}", int(priorities[i])))
-    return out
+    arrival_list, output_list = arrivals.tolist(), output_lens.tolist()
+    client_names = [f"client-{c}" for c in range(spec.num_clients)]
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        bounds = np.concatenate([[0], np.cumsum(prompt_lens[lo:hi])]).tolist()
+        tokens = rng.integers(0, spec.vocab_size, size=bounds[-1]).astype(dtype)
+        for k, i in enumerate(range(lo, hi)):
+            prompt = PrefixedTokens(prefixes[groups[i]] if prefixes else no_prefix, tokens, bounds[k], bounds[k + 1])
+            yield TraceRequest(f"req-{i}", arrival_list[i], prompt, output_list[i], client_names[clients[i]],
+                               int(priorities[i]))
+
+
+_CHUNK = 4096
 
 
 def validate_trace(requests: Sequence[TraceRequest]) -> None:
@@ -236,19 +251,57 @@ def validate_trace(requests: Sequence[TraceRequest]) -> None:
     """
     seen: set[str] = set()
     for i, r in enumerate(requests):
-        if not isinstance(r, TraceRequest):
-            raise TypeError(f"workload[{i}] is a {type(r).__name__}; valid: TraceRequest")
-        where = f"workload[{i}] (request {r.request_id!r})"
-        t = r.arrival_time
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"{where}: arrival_time={t!r}; valid: a finite number >= 0 (seconds)")
-        if not r.prompt_token_ids:
-            raise ValueError(f"{where}: empty prompt; valid: at least one token")
-        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
-            raise ValueError(f"{where}: max_tokens={r.max_tokens!r}; valid: an int >= 1")
-        if r.request_id in seen:
-            raise ValueError(f"{where}: duplicate request_id; valid: unique ids")
-        seen.add(r.request_id)
+        _check_request(i, r, seen)
+
+
+def _check_request(i: int, r: TraceRequest, seen: set[str]) -> None:
+    """:func:`validate_trace`'s checks of ``workload[i]`` (adds its id to ``seen``)."""
+    if not isinstance(r, TraceRequest):
+        raise TypeError(f"workload[{i}] is a {type(r).__name__}; valid: TraceRequest")
+    where = f"workload[{i}] (request {r.request_id!r})"
+    t = r.arrival_time
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"{where}: arrival_time={t!r}; valid: a finite number >= 0 (seconds)")
+    if not r.prompt_token_ids:
+        raise ValueError(f"{where}: empty prompt; valid: at least one token")
+    if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens={r.max_tokens!r}; valid: an int >= 1")
+    if r.request_id in seen:
+        raise ValueError(f"{where}: duplicate request_id; valid: unique ids")
+    seen.add(r.request_id)
+
+
+def arrival_stream(workload: WorkloadSpec | Iterable[TraceRequest]) -> Iterator[TraceRequest]:
+    """The requests of ``workload`` in arrival order, for the simulator to read lazily.
+
+    A :class:`WorkloadSpec` is generated as it is read (:func:`iter_workload`;
+    nothing to validate). A sequence (a list) is validated whole
+    (:func:`validate_trace`) and sorted by arrival. Any other iterable (a
+    generator: a trace too big to hold) is validated request by request as it
+    is read and must already be in arrival order: ``ValueError`` naming the
+    first request that arrives before the one read before it.
+    """
+    if isinstance(workload, WorkloadSpec):
+        return iter_workload(workload)
+    if isinstance(workload, Sequence):
+        requests = list(workload)
+        validate_trace(requests)
+        return iter(sorted(requests, key=lambda r: r.arrival_time))
+    if not isinstance(workload, Iterable):
+        raise TypeError(f"workload must be a WorkloadSpec or an iterable of TraceRequest, got {type(workload).__name__}")
+    return _checked_stream(iter(workload))
+
+
+def _checked_stream(stream: Iterator[TraceRequest]) -> Iterator[TraceRequest]:
+    seen: set[str] = set()
+    last = -math.inf
+    for i, r in enumerate(stream):
+        _check_request(i, r, seen)
+        if r.arrival_time < last:
+            raise ValueError(f"workload[{i}] (request {r.request_id!r}) arrives at {r.arrival_time!r}, before the "
+                             f"request read before it ({last!r}); valid: a stream in arrival order (or pass a list)")
+        last = r.arrival_time
+        yield r
 
 
 def _cell(path, line: int, row: dict, column: str, kind: type, *, minimum: float, default=None):
