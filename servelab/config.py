@@ -106,6 +106,9 @@ class SchedulerConfig:
         num_speculative_tokens: drafts per request and step (0: no speculative
             decoding). Each running request is given this many lookahead KV
             slots so a drafter can write its draft tokens' KV.
+        max_loras: most distinct LoRA adapters among running requests (0: no
+            limit; a pipeline with ``enable_lora`` sets its ``max_loras``); see
+            :mod:`servelab.scheduling.lora_slots`.
     """
 
     max_num_batched_tokens: int = 2048
@@ -114,9 +117,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     num_speculative_tokens: int = 0
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _check_sched_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_sched_int("max_loras", self.max_loras, 0)
         _check_sched_int("max_num_seqs", self.max_num_seqs, 1)
         _check_sched_int("max_model_len", self.max_model_len, 1)
         _check_sched_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
@@ -459,4 +464,5 @@ class PipelineConfig:
             max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
             max_model_len=max_model_len, enable_chunked_prefill=s.enable_chunked_prefill,
             long_prefill_token_threshold=s.long_prefill_token_threshold,
-            num_speculative_tokens=self.speculative.num_speculative_tokens)
+            num_speculative_tokens=self.speculative.num_speculative_tokens,
+            max_loras=self.lora.max_loras if self.lora.enable_lora else 0)

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from servelab._internal.frozen_heap import frozen_heap
+from servelab.lora.binding import per_prompt_lora_requests
 from servelab.pipeline.inputs import batch_arguments, conversations_of, render_chat
 from servelab.pipeline.metrics import ProgressBar
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
@@ -25,14 +26,16 @@ class BatchRuns:
     """Mixin of :class:`~servelab.Pipeline` (uses its ``add_request``, ``abort_request``,
     ``step``, ``scheduler``, ``tokenizer`` and run bookkeeping)."""
 
-    def _start_run(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> list[str]:
+    def _start_run(self, batch: list[tuple[Any, Any, int]], detokenize: bool,
+                   loras: Sequence[Any] | None = None) -> list[str]:
         """Queue a batch, all or nothing: if queueing raises, the requests this
         call already queued are aborted and forgotten before the error propagates."""
         self._recorder = self._new_recorder()
         rids: list[str] = []
         try:
             for i, (p, sp, prio) in enumerate(batch):
-                rids.append(self.add_request(p, sp, priority=prio, index=i, detokenize=detokenize))
+                rids.append(self.add_request(p, sp, priority=prio, index=i, detokenize=detokenize,
+                                             lora_request=loras[i] if loras else None))
         except BaseException:
             self._end_run(rids)
             self.last_outputs = []
@@ -65,20 +68,23 @@ class BatchRuns:
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = False, priorities: Sequence[int] | None = None,
-                 detokenize: bool = True) -> list[GenerationOutput]:
+                 detokenize: bool = True, lora_request: Any = None) -> list[GenerationOutput]:
         """Run ``prompts`` to completion; one :class:`GenerationOutput` per prompt, in order.
 
         ``prompts``: one prompt or a list (a prompt is a ``str`` or a list of
         int token ids; ``bytes`` raise ``TypeError``). ``sampling_params``: one
         for all, or one per prompt (default ``SamplingParams()``: temperature
         1, 16 tokens). ``priorities``: one int per prompt (lower first, for the
-        "priority" policy). Metrics of the run land in :attr:`last_run_metrics`.
+        "priority" policy). ``lora_request``: a :class:`~servelab.lora.LoRARequest` for
+        every prompt, or a list (one per prompt, None for the base model); needs ``enable_lora``.
+        Metrics of the run land in :attr:`last_run_metrics`.
         """
         batch = batch_arguments(prompts, sampling_params, priorities)
+        loras = per_prompt_lora_requests(lora_request, len(batch))
         progress = ProgressBar(len(batch), use_tqdm)
         try:
             with frozen_heap():  # the run's loop: no full collector passes over the model and imports
-                for event in self._stream(batch, detokenize):
+                for event in self._stream(batch, detokenize, loras):
                     progress.update(int(event.finished), len(event.new_token_ids))
         finally:
             progress.close()
@@ -107,16 +113,19 @@ class BatchRuns:
 
     def stream(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               priorities: Sequence[int] | None = None, detokenize: bool = True) -> Iterator[StreamEvent]:
+               priorities: Sequence[int] | None = None, detokenize: bool = True,
+               lora_request: Any = None) -> Iterator[StreamEvent]:
         """Like :meth:`generate`, step by step: yields a :class:`StreamEvent` per
         request and step as tokens arrive. Arguments are checked now; requests
         are queued when iteration starts. Closing the iterator early aborts the
         rest. Final outputs land in :attr:`last_outputs`, metrics in
-        :attr:`last_run_metrics`."""
-        return self._stream(batch_arguments(prompts, sampling_params, priorities), detokenize)
+        :attr:`last_run_metrics`. ``lora_request`` as in :meth:`generate`."""
+        batch = batch_arguments(prompts, sampling_params, priorities)
+        return self._stream(batch, detokenize, per_prompt_lora_requests(lora_request, len(batch)))
 
-    def _stream(self, batch: list[tuple[Any, Any, int]], detokenize: bool) -> Iterator[StreamEvent]:
-        rids = self._start_run(batch, detokenize)
+    def _stream(self, batch: list[tuple[Any, Any, int]], detokenize: bool,
+                loras: Sequence[Any] | None = None) -> Iterator[StreamEvent]:
+        rids = self._start_run(batch, detokenize, loras)
         pending = set(rids)
         try:
             while pending:

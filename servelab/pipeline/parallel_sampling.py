@@ -78,6 +78,7 @@ class _Family:
     child_ids: list[str]
     held: list[tuple[int, SamplingParams]] = field(default_factory=list)  # children not yet queued
     ended: set[int] = field(default_factory=set)  # completion indexes that have ended
+    lora_request: Any = None  # the parent's LoRA adapter, which every child runs with
 
     @property
     def parent_id(self) -> str:
@@ -98,7 +99,7 @@ class ParallelSampling:
         self._child_of: dict[str, tuple[_Family, int]] = {}
 
     def add(self, pipe: Any, prompt: Any, params: SamplingParams, *, request_id: str | None, priority: int,
-            index: int | None, detokenize: bool) -> str:
+            index: int | None, detokenize: bool, lora_request: Any = None) -> str:
         """Queue a request with ``params.n > 1`` on ``pipe``; returns the parent's id.
 
         Raises ``ValueError`` (nothing queued) if ``request_id`` or one of its
@@ -116,7 +117,7 @@ class ParallelSampling:
         position = number if index is None else index
         parent = GenerationOutput(rid, position, text, [],
                                   completions=[GenerationOutput(cid, position, text, []) for cid in child_ids])
-        family = _Family(Tracked(parent), prompt, priority, detokenize, child_ids)
+        family = _Family(Tracked(parent), prompt, priority, detokenize, child_ids, lora_request=lora_request)
         children = [(i, replace(params, n=1, seed=child_seed(params.seed, i),
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None))
                     for i in range(params.n)]
@@ -137,7 +138,8 @@ class ParallelSampling:
     def _queue_child(self, pipe: Any, family: _Family, i: int, params: SamplingParams) -> None:
         cid = family.child_ids[i]
         pipe.add_request(family.prompt, params, request_id=cid, priority=family.priority,
-                         index=family.tracked.output.index, detokenize=family.detokenize)
+                         index=family.tracked.output.index, detokenize=family.detokenize,
+                         lora_request=family.lora_request)
         family.completions[i] = pipe._tracked[cid].output  # updated in place as the child runs
 
     def _release_held(self, pipe: Any, family: _Family) -> None:

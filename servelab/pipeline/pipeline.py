@@ -60,6 +60,7 @@ from servelab.pipeline.metrics import MetricsRecorder, RunMetrics
 from servelab.pipeline.outputs import GenerationOutput, StreamEvent
 from servelab.pipeline.parallel_sampling import ParallelSampling
 from servelab.pipeline.hybrid import HybridModelRunner, allocate_group_kv_caches
+from servelab.lora.binding import bind_lora, request_lora_name
 from servelab.pipeline.runner import ModelRunner
 from servelab.pipeline.setup import (
     attach_attention,
@@ -142,6 +143,7 @@ class Pipeline(BatchRuns, OutputDelivery):
         self.kv_connector = self._bind_kv_connector(kv_connector)
         self._build_scheduler(scheduler)
         self._build_runner(sampler)
+        self.lora_manager, self._lora = bind_lora(self.config, self.model, self.runner)
         self._tracked: dict[str, Tracked] = {}
         self._parallel = ParallelSampling()  # SamplingParams(n > 1): parents and their children
         self._events: list[StreamEvent] = []
@@ -329,17 +331,19 @@ class Pipeline(BatchRuns, OutputDelivery):
 
     def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int | None = None,
-                    detokenize: bool = True) -> str:
+                    detokenize: bool = True, lora_request: Any = None) -> str:
         """Queue one request; returns its id. Bad input fails the request (its
         final event comes from the next :meth:`step`) instead of raising;
         only a duplicate ``request_id`` raises ``ValueError`` (nothing queued).
+        ``lora_request``: a :class:`~servelab.lora.LoRARequest` (needs ``enable_lora``;
+        a bad adapter fails the request, naming it).
 
         ``detokenize=False`` skips streaming detokenization (the text is decoded
         once at the end) unless the request has stop strings. ``SamplingParams(n > 1)``
         fans out to ``n`` children (:mod:`servelab.pipeline.parallel_sampling`)."""
         if isinstance(sampling_params, SamplingParams) and sampling_params.n > 1:
             return self._parallel.add(self, prompt, sampling_params, request_id=request_id, priority=priority,
-                                      index=index, detokenize=detokenize)
+                                      index=index, detokenize=detokenize, lora_request=lora_request)
         if request_id is None:
             number, rid = self._new_request_id()
         else:
@@ -354,15 +358,21 @@ class Pipeline(BatchRuns, OutputDelivery):
             ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
             tracked.output.prompt_token_ids = ids
             params = self._params(sampling_params, number)
-            request = Request(rid, ids, params, priority=priority, eos_token_id=self.eos_token_id)
+            lora_name = request_lora_name(self._lora, rid, lora_request)  # loads and checks the adapter
+            request = Request(rid, ids, params, priority=priority, eos_token_id=self.eos_token_id,
+                              lora_name=lora_name)
             if self.tokenizer is not None and (detokenize or params.stop):
                 tracked.detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                                        min_tokens=params.min_tokens)
             self._add_to_scheduler(request)
         except (ValueError, TypeError) as exc:
+            if self._lora is not None:
+                self._lora.release(rid)
             self._fail_unqueued(tracked, priority, f"request {rid!r}: {exc}")
             return rid
         except BaseException:
+            if self._lora is not None:
+                self._lora.release(rid)
             del self._tracked[rid]  # interrupted before it was queued: leave no trace
             raise
         tracked.request = request

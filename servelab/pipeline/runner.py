@@ -172,6 +172,8 @@ class ModelRunner(TreeSteps):
         self.kv_connector = kv_connector
         self.prompt_logprobs = PromptLogprobsCollector()
         """Prompt logprobs of requests that ask (:mod:`servelab.pipeline.prompt_logprobs`)."""
+        self.lora: Any = None
+        """Per-request LoRA adapters (:class:`servelab.lora.serving.LoRAServing`; the pipeline sets it)."""
 
     # ---- persistent state -------------------------------------------------
 
@@ -206,6 +208,8 @@ class ModelRunner(TreeSteps):
         if state is not None and state.row >= 0:
             self._free_rows.append(state.row)
             state.row, state.num_blocks, state.draft_probs, state.draft_tree = -1, 0, None, None
+        if self.lora is not None:  # not running: its adapter's pin is released
+            self.lora.detach(req_id)
         if self.drafter is not None:
             release_quietly(self.drafter.release, req_id)
         return state
@@ -216,6 +220,8 @@ class ModelRunner(TreeSteps):
         self._detach(req_id)
         self.requests.pop(req_id, None)
         self.prompt_logprobs.discard(req_id)
+        if self.lora is not None:
+            self.lora.release(req_id)
 
     def rollback(self, so: SchedulerOutput) -> None:
         """Undo what a failed or interrupted :meth:`execute` of ``so`` did: every
@@ -416,7 +422,13 @@ class ModelRunner(TreeSteps):
         spec = so.scheduled_spec_decode_tokens
         batch = [(self.requests[rid], c, n) for rid, c, n in so.iter_scheduled()]
         input_ids, positions, meta, ends = self._prepare(so, batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        lora_errors = None if self.lora is None else self.lora.begin_step([s.req_id for s, _, _ in batch],
+                                                                          [n for _, _, n in batch])
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            if self.lora is not None:  # the rows' adapters hold for this forward only (servelab.lora)
+                self.lora.end_step()
         transfers = self._connector_after(so, meta) if connector is not None else None
         if self.prompt_logprobs.pending:  # requests asking for prompt logprobs: their prompt positions' logits
             self.prompt_logprobs.collect(self.model, batch, hidden, ends)
@@ -424,7 +436,7 @@ class ModelRunner(TreeSteps):
         plain, verify = self._rows_to_sample(batch, spec)
         sampled: list[list[int]] = [[] for _ in batch]
         logprobs: list[Any] = [None] * len(batch)
-        errors: dict[str, str] = {}  # request id -> why it fails (user code raised for it, an unusable row)
+        errors: dict[str, str] = dict(lora_errors or {})  # request id -> why it fails (user code raised, ...)
         if plain or verify:
             rows = [ends[i] - 1 for i in plain] + [r for i, d in verify for r in range(ends[i] - d - 1, ends[i])]
             if len(rows) != hidden.shape[0] or rows != list(range(len(rows))):  # else every row in order (decode)

@@ -88,6 +88,7 @@ from servelab.blocks.interfaces import KVCacheManagerProtocol
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.connector_states import ConnectorStates
 from servelab.scheduling.interfaces import RequestQueue, SchedulingPolicy
+from servelab.scheduling.lora_slots import LoRASlots
 from servelab.scheduling.output import (
     NewRequestData,
     RequestOutput,
@@ -180,6 +181,11 @@ class Scheduler(Preemption, ConnectorStates):
         self.num_failed = 0
         self.num_aborted = 0
         self._init_connector(kv_connector)
+        # At most max_loras distinct LoRA adapters among running requests (scheduling.lora_slots).
+        max_loras = getattr(config, "max_loras", 0)
+        self.lora_slots = LoRASlots(max_loras) if max_loras else None
+        if self.lora_slots is not None and callable(getattr(self.policy, "bind_lora_slots", None)):
+            self.policy.bind_lora_slots(self.lora_slots)  # type: ignore[attr-defined]
 
     def _new_waiting_queue(self) -> RequestQueue:
         queue = self.policy.make_waiting_queue()
@@ -407,6 +413,9 @@ class Scheduler(Preemption, ConnectorStates):
         lookahead = cfg.num_speculative_tokens
         running = self.running
         waiting = self.waiting
+        if self.lora_slots is not None:  # admit only requests whose adapter fits (scheduling.lora_slots)
+            self.lora_slots.begin_step(running, waiting)
+            waiting = self.lora_slots.view(waiting)
         enable_caching = kv.enable_caching
         hook = self._token_hook
         connector = self.kv_connector
