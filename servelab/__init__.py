@@ -38,6 +38,7 @@ _LAZY = {
     "SpeculativeConfig": "servelab.config",
     "LoRAConfig": "servelab.config",
     "ParallelConfig": "servelab.config",
+    "LoRARequest": "servelab.lora.request",
     # pieces of this stage add their public names here: "LoRARequest", "AsyncPipeline", ...
 }
 
