@@ -324,3 +324,39 @@ def test_demo_with_a_billion_blocks_ends_fast_with_one_line(tmp_path):
 def test_sweep_keys_without_effect_are_refused(tmp_path, capsys, spec, needles):
     code, _, err = run_cli(["sweep", sweep_spec(tmp_path, spec), "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, *needles)
+
+
+def test_sweep_accepts_max_model_len_without_a_trace():
+    from servelab.cluster.sweep import expand_grid
+
+    points = expand_grid({"workload": {"num_requests": 4}, "cluster": {"max_model_len": 4096}})
+    assert points == [{"num_requests": 4, "max_model_len": 4096}], "a scheduler setting, not only a trace key"
+
+
+def test_ctrl_c_during_simulate_keeps_the_finished_policies(tmp_path, capsys, monkeypatch):
+    import servelab.scheduling.simulator as simulator
+
+    real, calls = simulator.compare_policies, []
+
+    def interrupted_on_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulator, "compare_policies", interrupted_on_the_second)
+    code, _, err = run_cli(["simulate", "--num-requests", "6", "--policy", "fcfs,sjf", "--out", str(tmp_path)],
+                           capsys)
+    assert code == 130 and "interrupted after 1 of 2 policies" in err
+    assert {r["implementation"] for r in _read_csv(tmp_path / "simulate.csv")} == {"fcfs"}
+
+
+def test_requests_that_can_never_fit_are_counted_failed_not_dropped():
+    """A request failed inside schedule() (it can never fit the pool) is in the results, counted failed."""
+    from servelab.scheduling.simulator import LengthDist, WorkloadSpec, compare_policies
+
+    workload = WorkloadSpec(num_requests=12, rate=100.0, prompt_len=LengthDist.parse("uniform:8:80"),
+                            output_len=LengthDist.parse("fixed:4"), seed=3)
+    result, = compare_policies(workload, ["fcfs"], num_blocks=4, block_size=16)
+    assert len(result.requests) == 12, "every request is accounted for"
+    assert 0 < result.num_failed < 12 and result.latency("ttft").failed == result.num_failed

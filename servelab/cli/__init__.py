@@ -287,6 +287,10 @@ def _simulate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ImportError) as exc:
         kept = f" ({len(results)} finished policies kept in {table})" if results else ""
         return _fail("simulate", _one_line(exc) + kept)
+    except KeyboardInterrupt:
+        print(f"servelab simulate: interrupted after {len(results)} of {len(policies)} policies; their rows are "
+              f"kept in {table}", file=sys.stderr)
+        return 130
     print(format_table(results))
     if args.num_clients > 1 or args.trace:
         print()

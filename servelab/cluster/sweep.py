@@ -103,7 +103,8 @@ def expand_grid(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
         if bad:
             raise ValueError(f"sweep spec keys {bad} are unknown; valid: {sorted(valid)}")
         # nothing silently ignored: a trace brings its own requests; the trace keys need a trace
-        unused = sorted(set(point) & _WORKLOAD_KEYS) if "trace" in point else sorted(set(point) & (_TRACE_KEYS))
+        trace_only = _TRACE_KEYS - _CONFIG_KEYS  # max_model_len is also a scheduler setting
+        unused = sorted(set(point) & _WORKLOAD_KEYS) if "trace" in point else sorted(set(point) & trace_only)
         if unused:
             why = ("a trace brings its own requests (trace keys: " + ", ".join(sorted(_TRACE_KEYS)) + ")"
                    if "trace" in point else "they apply to a trace only (set trace = NAME or PATH)")

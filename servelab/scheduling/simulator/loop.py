@@ -137,6 +137,9 @@ class Replica:
         self.routed = 0
         self.link_free = 0.0  # P/D prefill replicas: when the outgoing KV link is idle again
         self.landed: set[str] = set()  # P/D decode replicas: loads landed, told at the next step end
+        # requests ended before the step's schedule(): a request failed inside schedule() (one that can
+        # never fit) is counted there, and its final output comes with the step's update
+        self.ended_mark = 0
         # Arrivals not yet handed to the scheduler (only for an arrival-ordered policy fed in arrival
         # order: see the module docstring); None: every arrival goes straight in.
         self.backlog: deque[TraceRequest] | None = deque() if backlog else None
@@ -249,6 +252,7 @@ class SimLoop:
                 self._feed(rep)
             if not sched.requests:
                 return
+            rep.ended_mark = sched.num_finished
             out = sched.schedule()
             if out.num_scheduled_tokens:
                 rep.busy, rep.in_flight = True, out
@@ -278,9 +282,8 @@ class SimLoop:
 
     def _apply(self, rep: Replica, out: SchedulerOutput, model_out: ModelRunnerOutput) -> None:
         sched = rep.sched
-        ended_before = sched.num_finished
         outputs = sched.update_from_output(out, model_out)
-        if sched.num_finished != ended_before:  # only then is there a final output to collect
+        if sched.num_finished != rep.ended_mark:  # only then is there a final output to collect
             for o in outputs:
                 if o.finished and o.metrics is not None:
                     self._finished(rep, o.metrics)
