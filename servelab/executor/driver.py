@@ -31,7 +31,8 @@ def start_executor(executor: Executor, pipeline: Any) -> Executor:
         raise ValueError(f"the {executor.name!r} executor runs one KV-cache group; this model's manager has "
                          f"{len(pipeline.kv_cache_groups)} (pass kv_cache_groups='off')")
     model = pipeline.model
-    spec = WorkerSpec(source=ModelSource.of(model), config=pipeline.config, max_model_len=pipeline.max_model_len,
+    config = pipeline.config.replace(distributed_executor_backend=executor.name)  # an object does not pickle
+    spec = WorkerSpec(source=ModelSource.of(model), config=config, max_model_len=pipeline.max_model_len,
                       block_size=pipeline.block_size, num_blocks=pipeline.num_blocks,
                       max_num_seqs=pipeline.scheduler_config.max_num_seqs, eos_token_id=pipeline.eos_token_id,
                       extra_eos=tuple(pipeline._extra_eos), sampler=pipeline.sampler,
