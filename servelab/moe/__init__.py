@@ -17,6 +17,13 @@ Pieces (each with a registry and a reference in ``servelab.reference``):
 """
 
 from servelab.moe.config import MOE_MODEL_TYPES, MoEConfig
+from servelab.moe.eplb import EplbModelState, check_placement, enable_eplb, rank_load_balance
+from servelab.moe.eplb_policy import (
+    available_eplb_policies,
+    get_eplb_policy,
+    rebalance_experts,
+    register_eplb_policy,
+)
 from servelab.moe.experts import (
     ExpertsKernel,
     available_experts_kernels,
@@ -37,6 +44,8 @@ from servelab.moe.routing import (
 )
 
 __all__ = [
+    "EplbModelState", "available_eplb_policies", "check_placement", "enable_eplb", "get_eplb_policy",
+    "rank_load_balance", "rebalance_experts", "register_eplb_policy",
     "ExpertsKernel", "MOE_MODEL_TYPES", "MoEConfig", "MoEExperts", "Router", "SparseMoeBlock",
     "available_experts_kernels", "available_moe_routers", "fused_experts_cpu", "get_experts_kernel",
     "get_moe_router", "grouped_topk", "moe_align_block_size", "moe_blocks", "register_experts_kernel",

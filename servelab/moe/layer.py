@@ -73,7 +73,7 @@ class MoEExperts(nn.Module):
         """``[T, H]``, float32 ``[T, k]``, int64 logical ``[T, k]`` -> ``[T, H]``."""
         ids = self.physical_ids(topk_ids)
         if self.load is not None:
-            self.load += torch.bincount(ids.reshape(-1), minlength=self.load.numel())
+            self.load += torch.bincount(ids.reshape(-1), minlength=self.load.numel()).to(self.load.device)
         name = self.kernel
         if name == "auto":
             name = default_experts_kernel(hidden_states.device)
