@@ -236,9 +236,12 @@ def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:
     if model.lower() in REAL_MODEL_NAMES:
         from servelab.models.hub import REAL_MODELS
 
-        fetch, _, fetched = REAL_MODELS[model.lower()]
+        fetch, where, fetched = REAL_MODELS[model.lower()]
         name, download, about = _REAL_MODEL_TEXT[model.lower()]
         if not fetched():
+            if where().exists():  # a folder without the completion marker: never reused, rebuilt
+                print(f"the cached {name} in {where()} is incomplete (no completion marker); rebuilding it",
+                      flush=True)
             print(f"fetching {name} ({download}) and converting it to float32 safetensors, once...", flush=True)
         path = fetch()
         return path, f"model: {name} ({about}) in {path}"

@@ -64,3 +64,19 @@ def test_the_demo_rebuilds_a_damaged_default_model_and_says_so(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "was damaged (no completion marker" in out and "rebuilt it" in out
     assert tiny_cache_problem(folder) is None
+
+
+def test_an_incomplete_real_model_folder_is_rebuilt_with_a_message(tmp_path, capsys, monkeypatch):
+    import servelab.models.hub as hub
+    from servelab.cli.demo import resolve_demo_model
+
+    half = tmp_path / "smollm2-135m-instruct"
+    half.mkdir()
+    (half / "config.json").write_text("{}")  # what an interrupted converter would leave, had it not been staged
+    fetched = []
+    monkeypatch.setitem(hub.REAL_MODELS, "smollm2",
+                        (lambda: fetched.append(1) or half, lambda: half, lambda: (half / hub.DONE_MARKER).is_file()))
+    path, _ = resolve_demo_model("smollm2", tmp_path)
+    out = capsys.readouterr().out
+    assert path == half and fetched == [1]
+    assert "is incomplete (no completion marker); rebuilding it" in out
