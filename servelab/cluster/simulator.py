@@ -103,7 +103,9 @@ def simulate_cluster(
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")
     bytes_per_token = 0 if pd is None else (pd.kv_bytes_per_token or kv_bytes_per_token(kv_spec, num_layers))
     cluster = _Cluster(router_obj, clock, pd, block_size, bytes_per_token, enable_prefix_caching)
-    front_build, decode_build = RequestFactory(prefill_only=pd is not None), RequestFactory()
+    hash_size = block_size if enable_prefix_caching else None
+    front_build = RequestFactory(prefill_only=pd is not None, block_size=hash_size)
+    decode_build = RequestFactory(block_size=hash_size)
     for i, role in enumerate(roles):
         index = KVEventIndex() if enable_prefix_caching and role != "decode" else None
         kv = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=config.max_model_len,
@@ -172,9 +174,7 @@ class _Cluster:
 
     def _route(self, trace: TraceRequest) -> Replica | None:
         front = self.front
-        request = front[0].build(trace)
-        if self.hashing:
-            request.init_block_hasher(self.block_size)
+        request = front[0].build(trace)  # hashed (the router reads its block hashes)
         route = RouteRequest(request.request_id, request.prompt_token_ids, request.block_hashes,
                              self.block_size, trace.max_tokens, request.client_id)
         states = [_state(r, route) for r in front]

@@ -275,17 +275,24 @@ class Request:
 
     # ---- mutation ------------------------------------------------------------
 
-    def init_block_hasher(self, block_size: int) -> None:
+    def init_block_hasher(self, block_size: int, known_hashes: Sequence[BlockHash] = ()) -> None:
         """Hash this request's full blocks of ``block_size`` tokens from now on.
         Idempotent for the same block size; a different one is an error (the
-        hashes already handed out would not match the cache)."""
+        hashes already handed out would not match the cache). ``known_hashes``:
+        the hashes of this request's first blocks, computed already for the same
+        tokens, block size, hash function and keys (a shared prefix hashed once,
+        as the simulator does); only the blocks past them are hashed."""
         if self._hasher is not None:
             if self._hasher.block_size != block_size:
                 raise ValueError(f"request {self.request_id!r} is hashed with block_size="
                                  f"{self._hasher.block_size}, the KV cache uses {block_size}")
             return
+        if len(known_hashes) * block_size > self.num_tokens:
+            raise ValueError(f"known_hashes has {len(known_hashes)} blocks; request {self.request_id!r} has "
+                             f"{self.num_tokens} tokens ({self.num_tokens // block_size} full blocks)")
         self._hasher = RequestBlockHasher(block_size, self.hash_fn, self.lora_name, self.cache_salt, self.mm_spans)
         self.block_hashes = self._hasher.block_hashes
+        self.block_hashes.extend(known_hashes)
         self._hasher.update(self.all_token_ids)
 
     def append_output_token_ids(self, token_ids: Sequence[int], now: float | None = None) -> None:

@@ -107,7 +107,8 @@ def simulate(
     clock = VirtualClock()
     sched = Scheduler(config, kv, policy_obj, clock=clock)
     name = policy if isinstance(policy, str) else getattr(policy_obj, "name", type(policy_obj).__name__)
-    rep = Replica(0, "both", sched, kv, time_of, RequestFactory(), backlog=is_arrival_ordered(sched.policy))
+    build = RequestFactory(block_size=block_size if enable_prefix_caching else None)
+    rep = Replica(0, "both", sched, kv, time_of, build, backlog=is_arrival_ordered(sched.policy))
     loop = SimLoop([rep], clock, lambda trace: rep if loop.add(rep, trace) else None, max_steps=max_steps)
     wall_start = time.perf_counter()
     # Everything alive now (modules, the pool's blocks) is left out of the collector's full passes:

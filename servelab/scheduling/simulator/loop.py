@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from servelab.blocks.hashing import RequestBlockHasher
 from servelab.samplers.params import SamplingParams
 from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
 from servelab.scheduling.request import Request, RequestMetrics, RequestStatus
@@ -95,11 +96,34 @@ class RequestFactory:
     ``SamplingParams`` are shared per ``max_tokens``; block hashes use xxhash
     (the cache is private to one run: collision resistance buys nothing).
     ``prefill_only``: the prefill half of a P/D request (one output token).
+    ``block_size``: hash each request's blocks here (None: the scheduler does,
+    at ``add_request``); a generated prompt's shared prefix
+    (:class:`.workload.PrefixedTokens`) is hashed once per workload and its
+    hash chain reused by every request that starts with it.
     """
 
-    def __init__(self, prefill_only: bool = False) -> None:
+    def __init__(self, prefill_only: bool = False, block_size: int | None = None) -> None:
         self.prefill_only = prefill_only
+        self.block_size = block_size
         self._params: dict[int, SamplingParams] = {}
+        self._prefix_hashes: dict[int, tuple[list[int], list[Any]]] = {}  # id(prefix) -> (prefix, its hashes)
+
+    def _hash(self, request: Request, prompt: Any) -> Request:
+        """Give ``request`` its block hashes, reusing its shared prefix's chain."""
+        block_size = self.block_size
+        if block_size is None:
+            return request
+        prefix = getattr(prompt, "prefix", None)
+        known: list[Any] = []
+        if prefix:
+            entry = self._prefix_hashes.get(id(prefix))
+            if entry is None or entry[0] is not prefix:
+                hasher = RequestBlockHasher(block_size, "xxhash")
+                hasher.update(prefix)
+                entry = self._prefix_hashes[id(prefix)] = (prefix, hasher.block_hashes)
+            known = entry[1]
+        request.init_block_hasher(block_size, known)
+        return request
 
     def params(self, max_tokens: int) -> SamplingParams:
         params = self._params.get(max_tokens)
@@ -108,15 +132,16 @@ class RequestFactory:
         return params
 
     def __call__(self, r: TraceRequest) -> Request:
-        return Request(r.request_id, r.prompt_token_ids, self.params(1 if self.prefill_only else r.max_tokens),
-                       arrival_time=r.arrival_time, priority=r.priority, client_id=r.client_id, hash_fn="xxhash")
+        return self._hash(Request(r.request_id, r.prompt_token_ids,
+                                  self.params(1 if self.prefill_only else r.max_tokens), arrival_time=r.arrival_time,
+                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash"), r.prompt_token_ids)
 
     def decode_half(self, r: TraceRequest) -> Request:
         """The decode half of a P/D request: the prompt and the prefill's first token, the rest to generate."""
         prompt = list(r.prompt_token_ids)
         prompt.append(FAKE_TOKEN)
-        return Request(r.request_id, prompt, self.params(r.max_tokens - 1), arrival_time=r.arrival_time,
-                       priority=r.priority, client_id=r.client_id, hash_fn="xxhash")
+        return self._hash(Request(r.request_id, prompt, self.params(r.max_tokens - 1), arrival_time=r.arrival_time,
+                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash"), r.prompt_token_ids)
 
 
 class Replica:

@@ -1,0 +1,72 @@
+"""The one simulation loop: what it skips changes nothing (backlog, lazy reading, prefix hashes computed once)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servelab.scheduling.policies import FCFSPolicy
+from servelab.scheduling.request import Request
+from servelab.scheduling.simulator import LengthDist, TraceRequest, WorkloadSpec, generate_workload, simulate
+from servelab.scheduling.simulator.loop import RequestFactory, is_arrival_ordered, step_timer
+from servelab.scheduling.simulator.workload import iter_workload
+
+BUSY = WorkloadSpec(num_requests=400, rate=300, prompt_len=LengthDist("lognormal", 96, 0.6),
+                    output_len=LengthDist("lognormal", 24, 0.6), num_prefix_groups=3, prefix_len=40, seed=11)
+
+
+class _FCFSWithoutBacklog(FCFSPolicy):
+    """fcfs, but not recognised as arrival-ordered: every arrival goes straight to the scheduler."""
+
+
+def _figures(res):
+    return (res.num_steps, res.num_preemptions, np.sort(res.ttft), np.sort(res.e2e), res.prefix_hit_rate)
+
+
+def test_the_fcfs_backlog_changes_no_figure_of_an_overloaded_run():
+    assert is_arrival_ordered(FCFSPolicy()) and not is_arrival_ordered(_FCFSWithoutBacklog())
+    fed = simulate(BUSY, "fcfs", num_blocks=160)
+    direct = simulate(BUSY, _FCFSWithoutBacklog(), num_blocks=160)
+    assert fed.num_preemptions > 0 and max(fed.ttft) > 1.0, "the run must queue and preempt"
+    for a, b in zip(_figures(fed), _figures(direct)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_generator_a_list_and_a_spec_give_the_same_run():
+    requests = generate_workload(BUSY)
+    assert [r.request_id for r in iter_workload(BUSY)] == [r.request_id for r in requests]
+    from_list = simulate(requests, num_blocks=160)
+    from_spec = simulate(BUSY, num_blocks=160)
+    from_stream = simulate((r for r in requests), num_blocks=160)
+    for a, b, c in zip(_figures(from_list), _figures(from_spec), _figures(from_stream)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_a_stream_out_of_arrival_order_or_invalid_is_refused_naming_the_request():
+    late = [TraceRequest("a", 1.0, [1, 2], 2), TraceRequest("b", 0.5, [1, 2], 2)]
+    with pytest.raises(ValueError, match=r"workload\[1\] \(request 'b'\) arrives at 0.5"):
+        simulate(iter(late))
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        simulate(iter([TraceRequest("a", 0.0, [1], 0)]))
+    with pytest.raises(TypeError, match="cost_model must have time_of"):
+        step_timer(object())
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.integers(1, 20), prefix_len=st.integers(0, 70), rest=st.integers(1, 50),
+       seed=st.integers(0, 2 ** 16))
+def test_shared_prefix_hashes_reused_equal_hashing_from_scratch(block_size, prefix_len, rest, seed):
+    spec = WorkloadSpec(num_requests=3, rate=10, prompt_len=LengthDist("fixed", rest), output_len=LengthDist("fixed", 2),
+                        num_prefix_groups=1 if prefix_len else 0, prefix_len=prefix_len, seed=seed)
+    build = RequestFactory(block_size=block_size)
+    for trace in generate_workload(spec):
+        for fast in (build(trace), build.decode_half(trace)):
+            slow = Request("x", list(fast.prompt_token_ids), hash_fn="xxhash")
+            slow.init_block_hasher(block_size)
+            assert fast.block_hashes == slow.block_hashes
+            assert len(fast.block_hashes) == len(fast.prompt_token_ids) // block_size
+    with pytest.raises(ValueError, match="known_hashes has 2 blocks"):
+        Request("y", [1, 2, 3], hash_fn="xxhash").init_block_hasher(2, [b"a", b"b"])
