@@ -312,3 +312,99 @@ def _portable_tokenizer_config(file: Path) -> None:
     # (Qwen2Tokenizer in transformers 5) may rebuild the pre-tokenizer and split differently.
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+# ---- native loading: blocks kept as stored (quantization="auto") --------------------------------------------
+
+@dataclass(frozen=True)
+class NativeTensor:
+    """One GGUF tensor as stored: ``kind`` (GGML type name) and ``data`` (uint8 blocks ``[rows, row_bytes]``
+    for a block type, the float values for F32 / F16), ``rows`` x ``cols`` in HF orientation."""
+
+    name: str
+    kind: str
+    data: Any
+    rows: int
+    cols: int
+
+
+class NativeGGUF:
+    """A GGUF file's tensors by HF name, read as stored (no dequantization): what
+    :func:`servelab.models.loader.load_model` uses for ``quantization="auto"``.
+
+    Names are mapped with ``gguf``'s own tensor-name table for the architecture; llama.cpp's
+    rotary permutation of the Llama ``q``/``k`` rows is undone as a row index (:meth:`rows_order`),
+    so blocks are reordered, never decoded; Gemma norms are stored as ``w + 1`` by the converter
+    and shifted back (:meth:`float_tensor`), as transformers' reader does.
+    """
+
+    def __init__(self, file: str | Path, config: ModelConfig) -> None:
+        require_gguf()
+        import gguf
+
+        info = check_gguf(file)
+        self.info, self.config = info, config
+        self.reader = gguf.GGUFReader(str(info.file))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == info.architecture)
+        self.names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        self.used: set[str] = set()
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """``"model.layers.0.self_attn.q_proj.weight"`` -> ``"blk.0.attn_q.weight"`` (None when unmapped)."""
+        base, _, suffix = hf_name.rpartition(".")
+        mapped = self.names.get_name(base)
+        return None if mapped is None else f"{mapped}.{suffix}"
+
+    def has(self, hf_name: str) -> bool:
+        name = self.gguf_name(hf_name)
+        return name is not None and name in self.tensors
+
+    def get(self, hf_name: str) -> NativeTensor:
+        """The stored tensor of ``hf_name`` (ValueError naming it when the file lacks it)."""
+        name = self.gguf_name(hf_name)
+        if name is None or name not in self.tensors:
+            raise ValueError(f"GGUF file {self.info.file.name!r} has no tensor for {hf_name!r} (looked for {name!r})")
+        tensor = self.tensors[name]
+        self.used.add(name)
+        shape = [int(s) for s in tensor.shape]  # GGML order: [cols, rows]
+        cols, rows = (shape + [1])[:2]
+        import numpy as np
+
+        data = torch.from_numpy(np.array(tensor.data))  # a private copy: the file's pages are let go
+        return NativeTensor(name, tensor.tensor_type.name, data.reshape(rows, -1) if rows > 1 else data, rows, cols)
+
+    def rows_order(self, hf_name: str, rows: int) -> torch.Tensor | None:
+        """The row index undoing llama.cpp's q/k permutation for ``hf_name`` (None when not permuted)."""
+        if self.info.architecture != "llama":
+            return None
+        last = hf_name.rpartition(".")[0].rpartition(".")[2]
+        heads = self.config.num_attention_heads
+        if last == "k_proj":
+            heads = self.config.num_key_value_heads
+        elif last != "q_proj":
+            return None
+        half = rows // heads // 2
+        # transformers' reverse permutation applied to the row numbers: row r of the HF weight is
+        # stored row order[r].
+        return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+
+    def float_tensor(self, hf_name: str) -> torch.Tensor:
+        """A float32 tensor of ``hf_name`` (dequantized if stored in blocks; Gemma norms shifted back)."""
+        from servelab.quantization.formats import dequantize_gguf
+
+        stored = self.get(hf_name)
+        if stored.kind == "F32":
+            value = stored.data.float()
+        elif stored.kind == "F16":
+            value = stored.data.view(torch.float16).float() if stored.data.dtype is torch.uint8 else stored.data.float()
+        else:
+            value = dequantize_gguf(stored.kind, stored.data.reshape(stored.rows, -1), stored.cols)
+        if self.info.architecture.startswith("gemma") and hf_name.endswith("norm.weight"):
+            value = value - 1
+        order = self.rows_order(hf_name, value.shape[0]) if value.dim() == 2 else None
+        return value if order is None else value[order]
+
+    def unused(self) -> list[str]:
+        """Tensors of the file nothing asked for (after loading: a mismatch to report)."""
+        return sorted(set(self.tensors) - self.used)

@@ -447,6 +447,8 @@ class LlamaForCausalLM(nn.Module):
         """``[n, hidden]`` -> ``[n, vocab_size]`` in the model dtype: the LM-head GEMM on
         :attr:`lm_head_weight`, packed on a CPU like every :class:`~servelab.models.linear.Linear`
         (its own packed copy, so a tied embedding stays a plain lookup table)."""
+        if self.lm_head is not None and not isinstance(self.lm_head, Linear):
+            return self.lm_head(hidden_states)  # a replaced head (quantized, wrapped) runs its own forward
         cache = self.__dict__.get("_lm_head_packed")
         if cache is None:
             cache = PackedWeight()

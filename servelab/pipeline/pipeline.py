@@ -63,6 +63,7 @@ from servelab.pipeline.hybrid import HybridModelRunner, allocate_group_kv_caches
 from servelab.lora.binding import bind_lora, request_lora_name
 from servelab.pipeline.runner import ModelRunner
 from servelab.pipeline.setup import (
+    resolve_quantization,
     attach_attention,
     build_drafter,
     build_kv_cache_manager,
@@ -290,8 +291,18 @@ class Pipeline(BatchRuns, OutputDelivery):
         ``pack_weights`` is :func:`~servelab.models.load_model`'s: float32 linear
         layers on a CPU run on weights packed once for oneDNN (faster GEMMs, one
         extra copy of each packed weight); False keeps plain ``F.linear``.
+
+        ``quantization`` (a setting like the others) reaches the loader: ``"auto"`` keeps a
+        ``.gguf`` file's blocks, None dequantizes it; the resolved per-layer plan
+        (:class:`~servelab.quantization.QuantizationPlan`) is what ``pipe.config.quantization`` shows.
         """
-        model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights)
+        quantization = settings.get("quantization", (config or PipelineConfig()).quantization)
+        model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights, quantization=quantization)
+        plan = getattr(model, "quantization_plan", None)
+        if plan is None and quantization not in (None, "none", "auto"):
+            plan = resolve_quantization(model, quantization)  # online: resolved against this model's layers
+        if plan is not None:
+            settings = {**settings, "quantization": plan}
         return cls(model, load_tokenizer(path), config=config, **settings)
 
     def _new_recorder(self) -> MetricsRecorder:

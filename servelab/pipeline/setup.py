@@ -94,6 +94,14 @@ def prepare_model(model: Any, config: PipelineConfig, *, steps: tuple[ModelStep,
     return model
 
 
+def resolve_quantization(model: Any, setting: Any) -> Any:
+    """``quantization=setting`` resolved against ``model``'s layers (a
+    :class:`~servelab.quantization.QuantizationPlan`, what ``pipe.config`` shows); refusals name the field."""
+    from servelab.quantization.apply import plan_for_model
+
+    return plan_for_model(model, setting)
+
+
 def _probe(model: Any, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token query ``[1, H, D]`` and a one-block key cache ``[1, block_size, Hkv, D]``
     in the model's dtype and device: what ``backend.supports`` inspects."""
