@@ -70,3 +70,25 @@ def test_shared_prefix_hashes_reused_equal_hashing_from_scratch(block_size, pref
             assert len(fast.block_hashes) == len(fast.prompt_token_ids) // block_size
     with pytest.raises(ValueError, match="known_hashes has 2 blocks"):
         Request("y", [1, 2, 3], hash_fn="xxhash").init_block_hasher(2, [b"a", b"b"])
+
+
+def test_the_vllm_step_view_reads_as_the_scheduler_output_it_mirrors():
+    from servelab.blocks import FullAttentionSpec, KVCacheManager
+    from servelab.scheduling import Scheduler, SchedulerConfig
+    from servelab.scheduling.output import ModelRunnerOutput
+    from servelab.scheduling.simulator.features import step_features
+    from servelab.scheduling.simulator.vllm_engine import StepView
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="float16")
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=300), KVCacheManager(spec, 64, True, max_model_len=8192))
+    build = RequestFactory()
+    for trace in generate_workload(WorkloadSpec(num_requests=6, rate=10, seed=1)):
+        sched.add_request(build(trace))
+    seen = 0
+    while sched.requests and seen < 40:
+        out = sched.schedule()
+        assert step_features(StepView(out, sched.requests)) == step_features(out)
+        ids = list(out.num_scheduled_tokens)
+        sched.update_from_output(out, ModelRunnerOutput(ids, [[7]] * len(ids)))
+        seen += 1
+    assert seen > 5

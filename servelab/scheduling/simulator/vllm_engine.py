@@ -1,7 +1,8 @@
 """The simulation loop over vLLM's real v1 scheduler (``simulate(..., engine="vllm")``).
 
-Same trace, same step-cost model, same virtual clock, same metrics as the
-servelab engine (:mod:`.engine`); only the scheduler and its KV cache manager
+Same trace, same step-cost model and cost call (``time_of`` of a per-run
+:func:`.loop.step_timer`, on a :class:`StepView` of vLLM's own scheduler
+output), same virtual clock, same metrics as the servelab engine (:mod:`.engine`); only the scheduler and its KV cache manager
 are vLLM's, built on the CPU as vLLM's own scheduler tests build them
 (:mod:`servelab.integrations.vllm.harness`). vLLM is imported lazily: without
 it, :func:`simulate_vllm` raises ``ImportError`` saying how to install it.
@@ -29,19 +30,41 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.request import RequestMetrics
 from servelab.scheduling.simulator.cost_model import StepCostModel
+from servelab.scheduling.simulator.loop import FAKE_TOKEN, step_timer
 from servelab.scheduling.simulator.metrics import SimulationResult
 from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload, validate_trace
 
-FAKE_TOKEN = 7
 NATIVE_POLICIES = {"vllm-fcfs": "fcfs", "vllm-priority": "priority"}
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class StepView:
+    """A vLLM ``SchedulerOutput`` as a cost model reads a servelab one (``num_scheduled_tokens``,
+    ``total_num_scheduled_tokens``, ``total_num_kv_tokens``, ``iter_scheduled()``), so every cost
+    model's ``time_of`` charges vLLM's steps as it charges servelab's. ``live``: the scheduler's
+    requests, whose ``num_computed_tokens`` ``schedule()`` has already advanced past the step."""
+
+    __slots__ = ("num_scheduled_tokens", "total_num_scheduled_tokens", "total_num_kv_tokens", "_computed")
+
+    def __init__(self, out: Any, live: dict) -> None:
+        scheduled = out.num_scheduled_tokens
+        self.num_scheduled_tokens = scheduled
+        self.total_num_scheduled_tokens = out.total_num_scheduled_tokens
+        self._computed = {rid: live[rid].num_computed_tokens - n for rid, n in scheduled.items()}
+        self.total_num_kv_tokens = sum(self._computed.values()) + out.total_num_scheduled_tokens
+
+    def iter_scheduled(self) -> Iterator[tuple[str, int, int]]:
+        computed = self._computed
+        for rid, n in self.num_scheduled_tokens.items():
+            yield rid, computed[rid], n
 
 
 class _Track:
@@ -97,7 +120,7 @@ def simulate_vllm(
     requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
     validate_trace(requests)
     config = scheduler_config or SchedulerConfig()
-    cost = cost_model or StepCostModel()
+    time_of = step_timer(cost_model or StepCostModel())
     cls, native = _scheduler_cls(policy)
     sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -133,8 +156,7 @@ def simulate_vllm(
             if track.first_scheduled is None:
                 track.first_scheduled, track.cached = now, new.num_computed_tokens
         if ids:
-            kv_tokens = sum(live[r].num_computed_tokens for r in ids)  # already advanced by schedule()
-            now += cost.step_time(out.total_num_scheduled_tokens, kv_tokens)
+            now += time_of(StepView(out, live))  # the one cost call, on what vLLM scheduled
         elif not sched.running:
             _fail_unfittable_head(sched, tracks, now, finished, f"{num_blocks} blocks of {block_size} tokens",
                                   VllmStatus.FINISHED_ERROR)
