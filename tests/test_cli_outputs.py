@@ -360,3 +360,38 @@ def test_requests_that_can_never_fit_are_counted_failed_not_dropped():
     result, = compare_policies(workload, ["fcfs"], num_blocks=4, block_size=16)
     assert len(result.requests) == 12, "every request is accounted for"
     assert 0 < result.num_failed < 12 and result.latency("ttft").failed == result.num_failed
+
+
+# ---- sizes bounded by the machine before anything is built --------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["simulate", "--num-requests", "1000000000000"], "--num-requests 1000000000000"),
+    (["simulate", "--num-blocks", "1000000000000"], "--num-blocks 1000000000000"),
+    (["blocks", "--num-blocks", "1000000000000"], "--num-blocks 1000000000000"),
+    (["demo", "--num-requests", "1000000000000"], "--num-requests 1000000000000"),
+])
+def test_sizes_beyond_the_machine_are_one_line_before_anything_is_built(tmp_path, capsys, argv, needle):
+    start = time.perf_counter()
+    code, out, err = run_cli(argv + ["--out", str(tmp_path)], capsys)
+    assert_one_line(code, err, needle, "GiB is free")
+    assert out == "" and time.perf_counter() - start < 5
+
+
+def test_a_sweep_point_beyond_the_machine_is_refused_before_any_runs(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, "[workload]\nnum_requests = 5\n[cluster]\nnum_blocks = 1000000000000\n"
+                                "[grid]\nreplicas = [1, 4]\n")
+    code, _, err = run_cli(["sweep", spec, "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "num_blocks 1000000000000")
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_host_memory_estimate():
+    from servelab.cli.bounds import check_host_memory, simulate_parts, typical_length
+
+    assert typical_length("fixed:100") == 100 and typical_length("uniform:10:30") == 20
+    assert 512 < typical_length("lognormal:512:0.6") < 700 and typical_length("bogus") == 0
+    parts = simulate_parts(1000, "fixed:100", 4096, replicas=2)
+    check_host_memory(parts, free=10 ** 9)  # ~5 MiB: fits
+    with pytest.raises(ValueError, match=r"--num-blocks 4096 x 2 replicas needs"):
+        check_host_memory(parts, free=1000)

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from servelab.cli import build_kernels, serve
+from servelab.cli.bounds import BYTES_PER_REQUEST, check_host_memory, simulate_parts
 from servelab.cli.options import DefaultsHelpFormatter, OutputError, check_out_dir, check_out_file, explicit_options
 from servelab.config import SchedulerConfig
 from servelab.cli.sweep import add_sweep_parser, run_sweep_command
@@ -119,8 +120,9 @@ def _demo(args: argparse.Namespace) -> int:
     from servelab.cli.demo import resolve_demo_model, run_pipeline_demo
 
     try:
+        check_host_memory([(f"--num-requests {args.num_requests}", args.num_requests * 4 * BYTES_PER_REQUEST)])
         out = check_out_dir(args.out)
-    except OutputError as exc:
+    except ValueError as exc:  # too big for this machine, or an output that cannot be written
         return _fail("demo", _one_line(exc))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,8 +170,9 @@ def _blocks(args: argparse.Namespace) -> int:
         return _fail("blocks", f"--num-blocks {args.num_blocks} is too small; valid: >= 2 (block 0 is the null "
                                "block, so at least one more is needed to hold anything)")
     try:
+        check_host_memory(simulate_parts(args.num_requests, "fixed:256", args.num_blocks))
         out = check_out_dir(args.out)
-    except OutputError as exc:
+    except ValueError as exc:  # too big for this machine, or an output that cannot be written
         return _fail("blocks", _one_line(exc))
     print(f"servelab blocks: {args.num_requests} requests sharing 4 system prompts, "
           f"{args.num_blocks} KV blocks of {args.block_size} tokens, {args.token_budget} tokens per step\n")
@@ -237,6 +240,7 @@ def _simulate_inputs(args: argparse.Namespace):
     from servelab.scheduling.simulator import LengthDist, StepCostModel, WorkloadSpec
 
     refuse_inapplicable(args, getattr(args, "explicit", set()))
+    check_host_memory(simulate_parts(0 if args.trace else args.num_requests, args.prompt_len, args.num_blocks))
     policies = _parse_policies(args.policy, args.engine)
     cost = _parse_cost_model(args.cost_model)
     config = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -54,6 +54,7 @@ def _write_table(results: dict[int, dict], path: Path) -> None:
 
 def _check_args(args: argparse.Namespace):
     """The grid points and output paths, every check made before any point runs."""
+    from servelab.cli.bounds import check_host_memory, simulate_parts
     from servelab.cli.options import check_out_dir, check_out_file
     from servelab.cluster.sweep import expand_grid, load_spec
 
@@ -69,6 +70,12 @@ def _check_args(args: argparse.Namespace):
     points = expand_grid(load_spec(spec_path))
     if not points:
         raise ValueError(f"spec {args.spec!r} has an empty grid")
+    for point in points:  # every point's size before any runs (each runs in one process)
+        replicas = point.get("replicas", 1) if "prefill_replicas" not in point else (
+            point.get("prefill_replicas", 0) + point.get("decode_replicas", 0))
+        parts = simulate_parts(0 if "trace" in point else point.get("num_requests", 0),
+                               str(point.get("prompt_len", "fixed:0")), point.get("num_blocks", 0), replicas)
+        check_host_memory([(f"spec {name.removeprefix('--').replace('-', '_')}", size) for name, size in parts])
     out = check_out_dir(args.out)
     results_csv = check_out_file(args.results or out / "results.csv", "--results", results_csv=True)
     return spec_path, points, out, results_csv
