@@ -395,3 +395,14 @@ def test_the_host_memory_estimate():
     check_host_memory(parts, free=10 ** 9)  # ~5 MiB: fits
     with pytest.raises(ValueError, match=r"--num-blocks 4096 x 2 replicas needs"):
         check_host_memory(parts, free=1000)
+
+
+def test_an_oserror_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
+    import servelab.cli.demo as demo
+
+    def disk_full(result, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(demo, "plot_block_demo", disk_full)
+    code, _, err = run_cli(["blocks", "--num-requests", "4", "--out", str(tmp_path)], capsys)
+    assert_one_line(code, err, "No space left on device")

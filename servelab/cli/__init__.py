@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"servelab {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a file or folder that went away or filled up mid-run: one line, not a traceback
+        return _fail(args.command, f"{_one_line(exc)} (rows finished before it are kept)")
 
 
 if __name__ == "__main__":
