@@ -406,3 +406,11 @@ def test_an_oserror_mid_run_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(demo, "plot_block_demo", disk_full)
     code, _, err = run_cli(["blocks", "--num-requests", "4", "--out", str(tmp_path)], capsys)
     assert_one_line(code, err, "No space left on device")
+
+
+def test_a_sweep_where_every_request_fails_exits_2_like_the_other_commands(tmp_path, capsys):
+    spec = sweep_spec(tmp_path, '[workload]\nnum_requests = 3\nprompt_len = "fixed:200"\noutput_len = "fixed:2"\n'
+                                "[cluster]\nnum_blocks = 3\nblock_size = 16\n[grid]\nreplicas = [1]\n")
+    code, _, err = run_cli(["sweep", spec, "--jobs", "1", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "all 3 requests of every point failed")
+    assert len(_read_csv(tmp_path / "o" / "sweep.csv")) == 1, "the counted outcome is still written"
