@@ -260,7 +260,10 @@ class AsyncPipeline:
                     for rid in list(self._live):
                         self._abort(rid)
                 if pipe.has_unfinished_requests():
-                    self._dispatch(pipe.step())
+                    events = pipe.step()
+                    self._dispatch(events)
+                    if events:  # hand the GIL to the event loop now, so the outputs leave before the next step
+                        time.sleep(0)
                 self._update_gauges()
                 if stopping and not self._live:
                     return

@@ -169,3 +169,28 @@ def test_full_engine_answers_503_and_queues_nothing(tiny_path, one_torch_thread)
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
         pipe = srv.engine.pipeline
         assert pipe.kv_cache_manager.usage == 0.0 and not pipe._tracked
+
+
+def test_logit_bias_stop_and_penalties_reach_the_sampler(client, offline):
+    token = next(t for t in range(300, 512) if offline.tokenizer.decode([t]).strip().isalpha())
+    forced = client.completions.create(model=MODEL, prompt="The cache", max_tokens=5, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == offline.tokenizer.decode([token] * 5)
+    expected = offline.generate(["The cache"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                              presence_penalty=1.5, frequency_penalty=0.5))[0]
+    got = client.completions.create(model=MODEL, prompt="The cache", max_tokens=12, temperature=0,
+                                    presence_penalty=1.5, frequency_penalty=0.5, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == expected.text
+    stop = expected.text[3:5]
+    if stop.strip():
+        cut = client.completions.create(model=MODEL, prompt="The cache", max_tokens=12, temperature=0, stop=[stop],
+                                        presence_penalty=1.5, frequency_penalty=0.5, extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+        assert expected.text.startswith(cut.choices[0].text)
+
+
+def test_cli_refuses_a_bad_setting_with_status_2(tiny_path, capsys):
+    from servelab.cli import main
+
+    assert main(["serve", str(tiny_path), "--block-size", "abc"]) == 2
+    assert "block_size" in capsys.readouterr().err
