@@ -114,7 +114,7 @@ def storm_plan(num_clients: int, seed: int = 0, *, max_model_len: int, max_token
     """``(kind, payload, raw body, disconnect_after)`` per client: a third ``disconnect``, a
     tenth each ``malformed`` / ``wrong_type`` / ``too_long``, the rest ``good``."""
     rng = random.Random(seed)
-    plan = []
+    plan: list[tuple[str, dict[str, Any] | None, bytes | None, int | None]] = []
     for k in range(num_clients):
         stream = {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
                   "max_tokens": max_tokens, "ignore_eos": True}
@@ -140,12 +140,12 @@ async def run_storm(root: str, num_clients: int, *, max_model_len: int, seed: in
     plan = storm_plan(num_clients, seed, max_model_len=max_model_len, max_tokens=max_tokens)
     limits = httpx.Limits(max_connections=num_clients + 8, max_keepalive_connections=num_clients + 8)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        good = [payload for kind, payload, _, _ in plan if kind == "good"]
+        good = [payload for kind, payload, _, _ in plan if kind == "good" and payload is not None]
         expected = {}  # the same request served alone, before the storm
         for payload in {json.dumps(p, sort_keys=True): p for p in good}.values():
             expected[json.dumps(payload, sort_keys=True)] = (await stream_request(client, url, payload)).text
         start = time.perf_counter()
-        results = await asyncio.gather(*(stream_request(client, url, payload or {}, raw_body=raw,
+        results = await asyncio.gather(*(stream_request(client, url, dict(payload or {}), raw_body=raw,
                                                         disconnect_after=cut) for _, payload, raw, cut in plan))
         seconds = time.perf_counter() - start
     report = StormReport({}, {}, [], {}, seconds)
