@@ -149,13 +149,13 @@ async def run_storm(root: str, num_clients: int, *, max_model_len: int, seed: in
                                                         disconnect_after=cut) for _, payload, raw, cut in plan))
         seconds = time.perf_counter() - start
     report = StormReport({}, {}, [], {}, seconds)
-    for (kind, payload, _, _), result in zip(plan, results):
+    for (kind, sent, _, _), result in zip(plan, results):
         report.kinds[kind] = report.kinds.get(kind, 0) + 1
         report.statuses.setdefault(kind, {})
         report.statuses[kind][result.status] = report.statuses[kind].get(result.status, 0) + 1
         report.results.setdefault(kind, []).append(result)
-        if kind == "good" and payload is not None and result.text != expected[json.dumps(payload, sort_keys=True)]:
-            report.wrong_answers.append(f"{payload['prompt']!r}: {result.text!r}")
+        if kind == "good" and sent is not None and result.text != expected[json.dumps(sent, sort_keys=True)]:
+            report.wrong_answers.append(f"{sent['prompt']!r}: {result.text!r}")
     return report
 
 
