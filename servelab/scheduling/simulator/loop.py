@@ -171,6 +171,12 @@ class Replica:
         # The backlog keeps this many waiting requests in the scheduler: more than one step admits.
         self.window = sched.config.max_num_seqs + 1
 
+    def failed(self, request: Any, error: str, now: float) -> RequestMetrics:
+        """The final metrics of ``request``, refused by the scheduler at ``now`` with ``error``."""
+        request.status, request.error = RequestStatus.FINISHED_FAILED, error
+        request.finish_time = now
+        return request.metrics()
+
     @property
     def num_waiting(self) -> int:
         return len(self.sched.waiting) + (len(self.backlog) if self.backlog else 0)
@@ -257,9 +263,7 @@ class SimLoop:
         return True
 
     def fail(self, rep: Replica, request: Request, error: str) -> None:
-        request.status, request.error = RequestStatus.FINISHED_FAILED, error
-        request.finish_time = self.clock.now
-        self._finished(rep, request.metrics())
+        self._finished(rep, rep.failed(request, error, self.clock.now))
 
     def _feed(self, rep: Replica) -> None:
         """Move backlog requests into the scheduler while its waiting queue is short."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,9 +38,9 @@ import numpy as np
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.request import RequestMetrics
 from servelab.scheduling.simulator.cost_model import StepCostModel
-from servelab.scheduling.simulator.loop import FAKE_TOKEN, step_timer
+from servelab.scheduling.simulator.loop import FAKE_TOKEN, Replica, SimLoop, VirtualClock, step_timer
 from servelab.scheduling.simulator.metrics import SimulationResult
-from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, generate_workload, validate_trace
+from servelab.scheduling.simulator.workload import TraceRequest, WorkloadSpec, arrival_stream
 
 NATIVE_POLICIES = {"vllm-fcfs": "fcfs", "vllm-priority": "priority"}
 _REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -52,9 +52,10 @@ class StepView:
     model's ``time_of`` charges vLLM's steps as it charges servelab's. ``live``: the scheduler's
     requests, whose ``num_computed_tokens`` ``schedule()`` has already advanced past the step."""
 
-    __slots__ = ("num_scheduled_tokens", "total_num_scheduled_tokens", "total_num_kv_tokens", "_computed")
+    __slots__ = ("num_scheduled_tokens", "total_num_scheduled_tokens", "total_num_kv_tokens", "_computed", "raw")
 
-    def __init__(self, out: Any, live: dict) -> None:
+    def __init__(self, out: Any, live: dict, raw: Any = None) -> None:
+        self.raw = raw  # vLLM's own output, for its update_from_output
         scheduled = out.num_scheduled_tokens
         self.num_scheduled_tokens = scheduled
         self.total_num_scheduled_tokens = out.total_num_scheduled_tokens
@@ -100,7 +101,7 @@ def _scheduler_cls(policy):
 
 
 def simulate_vllm(
-    workload: WorkloadSpec | Sequence[TraceRequest],
+    workload: WorkloadSpec | Iterable[TraceRequest],
     policy="fcfs",
     *,
     scheduler_config: SchedulerConfig | None = None,
@@ -113,105 +114,162 @@ def simulate_vllm(
     tpot_slo_s: float = 0.1,
     max_steps: int | None = None,
 ) -> SimulationResult:
-    """:func:`servelab.scheduling.simulator.simulate` with vLLM's scheduler (same arguments)."""
+    """:func:`servelab.scheduling.simulator.simulate` with vLLM's scheduler (same arguments), run by
+    the one simulation loop (:class:`.loop.SimLoop`) through :class:`_VllmScheduler`."""
     from servelab.integrations.vllm.harness import build_scheduler, make_request, model_output
     from vllm.v1.request import RequestStatus as VllmStatus
 
-    requests = generate_workload(workload) if isinstance(workload, WorkloadSpec) else list(workload)
-    validate_trace(requests)
+    arrivals = arrival_stream(workload)
     config = scheduler_config or SchedulerConfig()
     time_of = step_timer(cost_model or StepCostModel())
     cls, native = _scheduler_cls(policy)
-    sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=config.max_model_len, enable_prefix_caching=enable_prefix_caching,
-                            long_prefill_token_threshold=config.long_prefill_token_threshold,
-                            watermark=watermark, policy=native, reserve_full_prompt=True)
-    ordered = sorted(requests, key=lambda r: r.arrival_time)
-    tracks = {r.request_id: _Track(r) for r in ordered}
-    pending = [make_request(r.request_id, list(r.prompt_token_ids), r.max_tokens, arrival_time=r.arrival_time,
-                            priority=r.priority, client_id=r.client_id, block_size=block_size) for r in ordered]
-    by_id = {r.request_id: r for r in pending}
-    now = ordered[0].arrival_time if ordered else 0.0
-    live = sched.requests
-    finished: list[RequestMetrics] = []
-    kv_times: list[float] = []
-    kv_usage: list[float] = []
-    next_arrival, total, steps = 0, len(pending), 0
-    max_len = config.max_model_len
+    vllm_sched = build_scheduler(cls, num_blocks=num_blocks, block_size=block_size, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_model_len=config.max_model_len, enable_prefix_caching=enable_prefix_caching,
+                                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                 watermark=watermark, policy=native, reserve_full_prompt=True)
+    clock = VirtualClock()
+    sched = _VllmScheduler(vllm_sched, config, clock, lambda out: model_output(vllm_sched, out, FAKE_TOKEN),
+                           VllmStatus.FINISHED_ERROR, f"{num_blocks} blocks of {block_size} tokens")
+
+    def build(r: TraceRequest) -> Any:
+        sched.tracks[r.request_id] = _Track(r)
+        return make_request(r.request_id, list(r.prompt_token_ids), r.max_tokens, arrival_time=r.arrival_time,
+                            priority=r.priority, client_id=r.client_id, block_size=block_size)
+
+    rep = _VllmReplica(sched, time_of, build)
+    loop = SimLoop([rep], clock, lambda trace: rep if loop.add(rep, trace) else None, max_steps=max_steps)
     wall_start = time.perf_counter()
-    while next_arrival < total or live:
-        while next_arrival < total and ordered[next_arrival].arrival_time <= now:
-            _admit(sched, pending[next_arrival], tracks, now, finished, max_len)
-            next_arrival += 1
-        if not live:
-            if next_arrival >= total:
-                break
-            now = ordered[next_arrival].arrival_time
-            continue
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        for new in out.scheduled_new_reqs:
-            track = tracks[new.req_id]
-            if track.first_scheduled is None:
-                track.first_scheduled, track.cached = now, new.num_computed_tokens
-        if ids:
-            now += time_of(StepView(out, live))  # the one cost call, on what vLLM scheduled
-        elif not sched.running:
-            _fail_unfittable_head(sched, tracks, now, finished, f"{num_blocks} blocks of {block_size} tokens",
-                                  VllmStatus.FINISHED_ERROR)
-        _record_outputs(sched.update_from_output(out, model_output(sched, out, FAKE_TOKEN)), tracks, by_id,
-                        now, finished)
-        kv_times.append(now)
-        kv_usage.append(sched.get_kv_cache_usage())
-        steps += 1
-        if max_steps is not None and steps >= max_steps and live:
-            raise RuntimeError(f"simulation hit max_steps={max_steps} with {len(live)} requests unfinished")
+    loop.run(arrivals)
     wall = time.perf_counter() - wall_start
     name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
-    num_preemptions = sum(m.num_preemptions for m in finished)
+    num_preemptions = sum(m.num_preemptions for m in rep.finished)
     label = name if name in NATIVE_POLICIES else f"vllm:{name}"
-    return SimulationResult(label, finished, steps, num_preemptions, np.asarray(kv_times),
-                            np.asarray(kv_usage), wall, ttft_slo_s, tpot_slo_s,
+    return SimulationResult(label, rep.finished, rep.num_steps, num_preemptions, np.asarray(rep.kv_times),
+                            np.asarray(rep.kv_usage), wall, ttft_slo_s, tpot_slo_s,
                             extra={"num_blocks": num_blocks, "block_size": block_size, "engine": "vllm",
                                    "rate": getattr(workload, "rate", math.nan)})
 
 
-def _fail_unfittable_head(sched, tracks: dict, now: float, finished: list, pool: str, error_status) -> None:
-    """Nothing runs and the head of the queue does not fit: it never will (vLLM would
-    wait forever), so it fails, as servelab's scheduler fails it."""
-    head = sched.waiting.peek_request() if sched.waiting else None
-    if head is None:
-        return
-    track = tracks[head.request_id]
-    track.error = f"request {head.request_id!r} cannot fit in the KV cache even alone ({pool})"
-    sched.finish_requests(head.request_id, error_status)
-    track.reason, track.finish = "error", now
-    finished.append(track.metrics(head.num_preemptions))
+class _Ended:
+    """A final output as the one loop reads it (``finished``, ``metrics``)."""
+
+    __slots__ = ("metrics",)
+    finished = True
+
+    def __init__(self, metrics: RequestMetrics) -> None:
+        self.metrics = metrics
 
 
-def _record_outputs(engine_outputs: dict, tracks: dict, by_id: dict, now: float, finished: list) -> None:
-    """Token times and finishes from one ``update_from_output`` of vLLM's scheduler."""
-    for outputs in engine_outputs.values():
-        for o in outputs.outputs:
-            track = tracks[o.request_id]
-            if o.new_token_ids:
-                if track.first_token is None:
-                    track.first_token = now
-                track.token_times.extend([now] * len(o.new_token_ids))
-                track.num_output += len(o.new_token_ids)
-            if o.finish_reason is not None and track.reason is None:
-                track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
-                finished.append(track.metrics(by_id[o.request_id].num_preemptions))
+class _Usage:
+    """The KV usage the loop records after each step."""
+
+    def __init__(self, sched: Any) -> None:
+        self._sched = sched
+
+    @property
+    def usage(self) -> float:
+        return float(self._sched.get_kv_cache_usage())
 
 
-def _admit(sched, request, tracks: dict, now: float, finished: list, max_len: int) -> None:
-    """Hand an arrival to vLLM's scheduler; a prompt vLLM cannot take fails (as servelab fails it)."""
-    if request.num_prompt_tokens >= max_len:
-        track = tracks[request.request_id]
+class _VllmScheduler:
+    """vLLM's scheduler as the one loop drives a servelab ``Scheduler``: ``add_request``,
+    ``schedule()`` (a :class:`StepView` of vLLM's output, timestamps on the virtual clock),
+    ``update_from_output`` (vLLM's own fake model output; returns the requests that ended),
+    ``requests``, ``waiting``, ``running``, ``num_finished``, ``config``."""
+
+    def __init__(self, sched: Any, config: SchedulerConfig, clock: VirtualClock, model_output: Any,
+                 error_status: Any, pool: str) -> None:
+        self.sched, self.config, self.clock = sched, config, clock
+        self._model_output, self._error_status, self._pool = model_output, error_status, pool
+        self.tracks: dict[str, _Track] = {}
+        self.by_id: dict[str, Any] = {}
+        self.num_finished = 0
+        self._ended: list[RequestMetrics] = []
+
+    @property
+    def requests(self) -> dict:
+        return self.sched.requests
+
+    @property
+    def waiting(self) -> Any:
+        return self.sched.waiting
+
+    @property
+    def running(self) -> list:
+        return self.sched.running
+
+    def add_request(self, request: Any) -> None:
+        """A prompt vLLM cannot take raises ``ValueError`` (the loop counts it failed, as servelab's)."""
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(f"request {request.request_id!r} has a {request.num_prompt_tokens}-token prompt; "
+                             f"vLLM needs it shorter than max_model_len={max_len}")
+        self.sched.add_request(request)
+        self.by_id[request.request_id] = request
+
+    def schedule(self) -> StepView:
+        now = self.clock.now
+        while True:
+            out = self.sched.schedule()
+            for new in out.scheduled_new_reqs:
+                track = self.tracks.get(new.req_id)
+                if track is not None and track.first_scheduled is None:
+                    track.first_scheduled, track.cached = now, new.num_computed_tokens
+            if out.num_scheduled_tokens or self.sched.running or not self._fail_unfittable_head(now):
+                return StepView(out, self.sched.requests, raw=out)
+            # The head failed: settle the empty step, then the next request may fit.
+            self._record(self.sched.update_from_output(out, self._model_output(out)), now)
+
+    def update_from_output(self, view: StepView, model_out: Any = None) -> list[_Ended]:
+        """Apply ``view``'s step with vLLM's fake model output (``model_out``, the loop's, is not read)."""
+        self._record(self.sched.update_from_output(view.raw, self._model_output(view.raw)), self.clock.now)
+        ended, self._ended = self._ended, []
+        self.num_finished += len(ended)
+        return [_Ended(m) for m in ended]
+
+    def _fail_unfittable_head(self, now: float) -> bool:
+        """Nothing runs and the head of the queue does not fit: it never will (vLLM would wait
+        forever), so it fails, as servelab's scheduler fails it. True if one failed."""
+        head = self.sched.waiting.peek_request() if self.sched.waiting else None
+        if head is None:
+            return False
+        track = self.tracks.pop(head.request_id)
+        track.error = f"request {head.request_id!r} cannot fit in the KV cache even alone ({self._pool})"
+        self.sched.finish_requests(head.request_id, self._error_status)
         track.reason, track.finish = "error", now
-        track.error = (f"request {request.request_id!r} has a {request.num_prompt_tokens}-token prompt; "
-                       f"vLLM needs it shorter than max_model_len={max_len}")
-        finished.append(track.metrics(0))
-        return
-    sched.add_request(request)
+        self._ended.append(track.metrics(head.num_preemptions))
+        self.by_id.pop(head.request_id, None)
+        return True
+
+    def _record(self, engine_outputs: dict, now: float) -> None:
+        """Token times and finishes from one ``update_from_output`` of vLLM's scheduler."""
+        tracks = self.tracks
+        for outputs in engine_outputs.values():
+            for o in outputs.outputs:
+                track = tracks.get(o.request_id)
+                if track is None:  # ended already (failed above)
+                    continue
+                if o.new_token_ids:
+                    if track.first_token is None:
+                        track.first_token = now
+                    track.token_times.extend([now] * len(o.new_token_ids))
+                    track.num_output += len(o.new_token_ids)
+                if o.finish_reason is not None and track.reason is None:
+                    track.reason, track.finish = _REASONS.get(str(o.finish_reason), "error"), now
+                    request = self.by_id.pop(o.request_id)
+                    del tracks[o.request_id]
+                    self._ended.append(track.metrics(request.num_preemptions))
+
+
+class _VllmReplica(Replica):
+    """The one loop's replica around :class:`_VllmScheduler` (no backlog: vLLM's queue order is its own)."""
+
+    def __init__(self, sched: _VllmScheduler, time_of: Any, build: Any) -> None:
+        super().__init__(0, "both", sched, _Usage(sched.sched), time_of, build)  # type: ignore[arg-type]
+        self.vllm = sched
+
+    def failed(self, request: Any, error: str, now: float) -> RequestMetrics:
+        track = self.vllm.tracks.pop(request.request_id)
+        track.reason, track.finish, track.error = "error", now, error
+        return track.metrics(0)
