@@ -414,3 +414,15 @@ def test_a_sweep_where_every_request_fails_exits_2_like_the_other_commands(tmp_p
     code, _, err = run_cli(["sweep", spec, "--jobs", "1", "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, "all 3 requests of every point failed")
     assert len(_read_csv(tmp_path / "o" / "sweep.csv")) == 1, "the counted outcome is still written"
+
+
+def test_the_real_ray_without_a_cluster_is_one_line(tmp_path, capsys, monkeypatch):
+    """The documented `--address auto` with no cluster running, through the real Ray client library."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already initialised in this process")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "ray"))  # no session of another user's cluster is found
+    code, _, err = run_cli(["sweep", sweep_spec(tmp_path), "--executor", "ray", "--address", "auto",
+                            "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "--address 'auto'", "no Ray cluster answers")
