@@ -92,3 +92,76 @@ def test_the_vllm_step_view_reads_as_the_scheduler_output_it_mirrors():
         sched.update_from_output(out, ModelRunnerOutput(ids, [[7]] * len(ids)))
         seen += 1
     assert seen > 5
+
+
+class _FakeVllmScheduler:
+    """vLLM's scheduler surface that simulate(engine="vllm") drives, played by servelab's own
+    scheduler: the adapter and the loop around it must then reproduce servelab's figures exactly."""
+
+    def __init__(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+                 enable_prefix_caching, watermark, **_):
+        from types import SimpleNamespace
+
+        from servelab.blocks import FullAttentionSpec, KVCacheManager
+        from servelab.scheduling import Scheduler, SchedulerConfig
+
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="float16")
+        self.kv = KVCacheManager(spec, num_blocks, enable_prefix_caching, max_model_len=max_model_len,
+                                 watermark=watermark)
+        self.inner = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                               max_num_batched_tokens=max_num_batched_tokens), self.kv)
+        self.requests = self.inner.requests
+        self._ns = SimpleNamespace
+
+    waiting = property(lambda self: self._ns(peek_request=lambda: None, __bool__=lambda: False))
+    running = property(lambda self: self.inner.running)
+
+    def add_request(self, request):
+        self.inner.add_request(request)
+
+    def schedule(self):
+        out = self.inner.schedule()
+        new = [self._ns(req_id=d.req_id, num_computed_tokens=d.num_computed_tokens) for d in out.scheduled_new_reqs]
+        return self._ns(num_scheduled_tokens=out.num_scheduled_tokens, scheduled_new_reqs=new, inner=out,
+                        total_num_scheduled_tokens=out.total_num_scheduled_tokens)
+
+    def update_from_output(self, out, model_output):
+        outs = self.inner.update_from_output(out.inner, model_output)
+        return {0: self._ns(outputs=[self._ns(request_id=o.request_id, new_token_ids=o.new_token_ids,
+                                              finish_reason=o.finish_reason) for o in outs])}
+
+    def get_kv_cache_usage(self):
+        return self.kv.usage
+
+
+def test_the_vllm_engine_adapter_on_the_one_loop_reproduces_the_scheduler_it_drives(monkeypatch):
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from servelab.scheduling.output import ModelRunnerOutput
+
+    harness = ModuleType("servelab.integrations.vllm.harness")
+    harness.build_scheduler = lambda cls, **kw: _FakeVllmScheduler(**kw)
+    harness.make_request = lambda rid, prompt, max_tokens, *, arrival_time, priority, client_id, block_size: \
+        Request(rid, prompt, RequestFactory().params(max_tokens), arrival_time=arrival_time, priority=priority,
+                client_id=client_id, hash_fn="xxhash")
+    harness.model_output = lambda sched, out, token: ModelRunnerOutput(list(out.num_scheduled_tokens),
+                                                                       [[token]] * len(out.num_scheduled_tokens))
+    request_mod = ModuleType("vllm.v1.request")
+    request_mod.RequestStatus = SimpleNamespace(FINISHED_ERROR="error")
+    package = ModuleType("servelab.integrations.vllm")
+    package.make_scheduler_cls = lambda policy: None
+    for name, module in (("servelab.integrations.vllm", package),
+                         ("servelab.integrations.vllm.harness", harness), ("vllm", ModuleType("vllm")),
+                         ("vllm.v1", ModuleType("vllm.v1")), ("vllm.v1.request", request_mod)):
+        monkeypatch.setitem(sys.modules, name, module)
+    from servelab.scheduling.simulator.cost_model import StepCostModel
+
+    cost = StepCostModel(2e-3, 3e-5, 1e-7, per_seq_s=1e-3, per_decode_restart_s=2e-3)
+    too_long = TraceRequest("too-long", 0.05, [1] * 9000, 4)  # over max_model_len: refused at arrival
+    trace = sorted([*generate_workload(BUSY), too_long], key=lambda r: r.arrival_time)
+    via_vllm = simulate(trace, "vllm-fcfs", engine="vllm", num_blocks=160, cost_model=cost)
+    ours = simulate(trace, "fcfs", num_blocks=160, cost_model=cost)
+    assert via_vllm.policy == "vllm-fcfs" and via_vllm.num_failed == ours.num_failed == 1
+    for a, b in zip(_figures(via_vllm), _figures(ours)):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
