@@ -248,6 +248,8 @@ def _simulate_inputs(args: argparse.Namespace):
                              long_prefill_token_threshold=args.long_prefill_token_threshold)
     if args.hardware:
         cost = StepCostModel.for_hardware(args.hardware, args.model)
+    if args.engine == "vllm":
+        import servelab.integrations.vllm  # noqa: F401  (fails here, with the install recipe, if absent)
     out = check_out_dir(args.out)
     table = check_out_file(out / "simulate.csv", "--out's simulate.csv", results_csv=True)
     if args.trace:
@@ -263,8 +265,6 @@ def _simulate_inputs(args: argparse.Namespace):
         what = (f"{args.num_requests} requests, {args.arrival} arrivals at {args.rate}/s, prompts "
                 f"{args.prompt_len}, outputs {args.output_len}")
     requests = _check_lengths(workload, args.max_model_len, args.engine)
-    if args.engine == "vllm":
-        import servelab.integrations.vllm  # noqa: F401  (fails here, with the install recipe, if absent)
     return policies, cost, config, requests, what, out, table
 
 
