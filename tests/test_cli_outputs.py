@@ -426,3 +426,23 @@ def test_the_real_ray_without_a_cluster_is_one_line(tmp_path, capsys, monkeypatc
     code, _, err = run_cli(["sweep", sweep_spec(tmp_path), "--executor", "ray", "--address", "auto",
                             "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, "--address 'auto'", "no Ray cluster answers")
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--policy", "nope", "--num-requests", "5"],
+    ["simulate", "--trace", "azure_conv", "--rate", "3"],
+    ["demo", "--model", "no-such-model-folder"],
+    ["blocks", "--num-blocks", "1"],
+])
+def test_a_refused_run_leaves_no_output_folder(tmp_path, capsys, argv):
+    out = tmp_path / "new" / "out"
+    code, _, err = run_cli(argv + ["--out", str(out)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_missing_out_folder_is_created_by_the_run(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    code, _, err = run_cli(["blocks", "--num-requests", "4", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert (out / "block_demo.png").is_file()

@@ -5,7 +5,8 @@ Three rules every subcommand follows, kept here so that they are one rule:
 - **Outputs are checked before the run** (:func:`check_out_dir`,
   :func:`check_out_file`): a folder that is a file, a path that cannot be
   created or written, a results CSV with another header are refused with one
-  line *before* minutes of work are done, not after.
+  line *before* minutes of work are done, not after (and without creating
+  anything: the writers create what they write).
 - **Nothing is silently ignored** (:func:`explicit_options`): a subcommand
   learns which options the user actually typed (not the defaults) and refuses
   those that do not apply to the chosen mode, so nothing is recorded as used
@@ -73,21 +74,27 @@ def _probe_writable(folder: Path, option: str) -> None:
 
 
 def check_out_dir(path: str | os.PathLike, option: str = "--out") -> Path:
-    """Create the output folder ``path`` now and prove it writable; raise :class:`OutputError` otherwise.
+    """Prove that the output folder ``path`` can be written, without creating it; raise
+    :class:`OutputError` otherwise (a refused run leaves nothing behind; the writers create it).
 
-    Refused: an existing file (not a folder), a parent that is a file, a
-    folder that cannot be created or written.
+    Refused: an existing file (not a folder), an existing folder that cannot be written, a missing
+    folder whose nearest existing ancestor is a file or cannot be written.
     """
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise OutputError(f"{option} {str(folder)!r} is a file, not a folder; give a folder (it is created if "
-                          "missing)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"{option} {str(folder)!r} cannot be created ({exc.strerror or exc}); give a folder "
-                          "you can write to") from None
-    _probe_writable(folder, option)
+    if folder.exists():
+        if not folder.is_dir():
+            raise OutputError(f"{option} {str(folder)!r} is a file, not a folder; give a folder (it is created if "
+                              "missing)")
+        _probe_writable(folder, option)
+        return folder
+    ancestor = folder.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"{option} {str(folder)!r} cannot be created: {str(ancestor)!r} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {str(folder)!r} cannot be created: {str(ancestor)!r} is not writable; give a "
+                          "folder you can write to")
     return folder
 
 

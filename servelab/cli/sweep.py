@@ -44,6 +44,7 @@ def _write_table(results: dict[int, dict], path: Path) -> None:
     """sweep.csv of the finished points, in grid order (rewritten whole, then renamed: never half a file)."""
     rows = [results[i] for i in sorted(results)]
     keys = list(dict.fromkeys(k for r in rows for k in r))
+    path.parent.mkdir(parents=True, exist_ok=True)
     staged = path.with_name(path.name + ".partial")
     with open(staged, "w", newline="") as f:
         writer = csv.DictWriter(f, keys)
