@@ -446,3 +446,10 @@ def test_a_missing_out_folder_is_created_by_the_run(tmp_path, capsys):
     code, _, err = run_cli(["blocks", "--num-requests", "4", "--out", str(out)], capsys)
     assert code == 0, err
     assert (out / "block_demo.png").is_file()
+
+
+def test_the_simulate_table_reads_failed_before_any_latency(tmp_path, capsys):
+    code, out, err = run_cli(["simulate", "--num-requests", "6", "--policy", "fcfs", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("policy"))
+    assert header.split()[:2] == ["policy", "failed"]
