@@ -64,6 +64,19 @@ def _positive_finite(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_quantized_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: object,
+                            v_scale: object) -> bool:
+    """Whether the caches are quantized (checked with their scales by
+    :func:`servelab.blocks.kv_quant.check_kv_scales`)."""
+    if not isinstance(key_cache, torch.Tensor) or not isinstance(value_cache, torch.Tensor):
+        return False
+    from servelab.blocks.kv_quant import check_kv_scales, is_quantized_dtype
+
+    if key_cache.dim() == 4:
+        check_kv_scales(key_cache, value_cache, k_scale, v_scale)
+    return is_quantized_dtype(key_cache.dtype)
+
+
 def check_paged_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -79,8 +92,13 @@ def check_paged_attention_args(
     out: torch.Tensor | None,
     num_splits: int | None,
     check_values: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> float:
     """Validate ``paged_attention`` arguments; return the resolved ``scale``.
+
+    A quantized cache (int8 / fp8 storage, :mod:`servelab.blocks.kv_quant`) comes with
+    ``k_scale`` / ``v_scale`` float32 ``[num_blocks, block_size, num_kv_heads]``.
 
     Layout recap: ``query`` ``[num_tokens, num_q_heads, head_size]``; caches
     ``[num_blocks, block_size, num_kv_heads, head_size]``; ``block_table`` int32
@@ -91,7 +109,7 @@ def check_paged_attention_args(
         "query": query, "key_cache": key_cache, "value_cache": value_cache,
         "block_table": block_table, "seq_lens": seq_lens, "query_start_loc": query_start_loc,
     }
-    _check_query_and_caches(query, key_cache, value_cache, tensors)
+    _check_query_and_caches(query, key_cache, value_cache, tensors, k_scale, v_scale)
     num_tokens, head_size = query.shape[0], query.shape[2]
     num_seqs = _check_batch_layout(tensors, out)
     _check_options(causal, sliding_window, softcap, num_splits)
@@ -105,15 +123,17 @@ def check_paged_attention_args(
 
 
 def _check_query_and_caches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            tensors: dict[str, object]) -> None:
+                            tensors: dict[str, object], k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> None:
     """Every argument a tensor; query ``[T, Hq, D]`` and the two caches ``[N, B, Hkv, D]`` agree."""
     for name, value in tensors.items():
         _require_tensor(name, value)
     _require_ndim("query", query, 3, "[num_tokens, num_q_heads, head_size]")
     _require_dtype("query", query, ATTENTION_DTYPES)
+    quantized = _check_quantized_caches(key_cache, value_cache, k_scale, v_scale)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _require_ndim(name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]")
-        if cache.dtype != query.dtype:
+        if cache.dtype != query.dtype and not quantized:
             raise ValueError(f"{name} dtype {cache.dtype} must equal query dtype {query.dtype}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(
@@ -247,8 +267,13 @@ def check_reshape_and_cache_args(
     slot_mapping: torch.Tensor,
     *,
     check_values: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Validate ``reshape_and_cache`` arguments.
+
+    A quantized cache comes with ``k_scale`` / ``v_scale`` (see :func:`check_paged_attention_args`);
+    its ``key`` / ``value`` are then float (any attention dtype), quantized by the write.
 
     ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` with the caches'
     dtype; caches ``[num_blocks, block_size, num_kv_heads, head_size]``;
@@ -262,9 +287,11 @@ def check_reshape_and_cache_args(
     }
     for name, tensor in tensors.items():
         _require_tensor(name, tensor)
+    quantized = _check_quantized_caches(key_cache, value_cache, k_scale, v_scale)
     for name in ("key_cache", "value_cache"):
         _require_ndim(name, tensors[name], 4, "[num_blocks, block_size, num_kv_heads, head_size]")
-        _require_dtype(name, tensors[name], ATTENTION_DTYPES)
+        if not quantized:
+            _require_dtype(name, tensors[name], ATTENTION_DTYPES)
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(
             f"value_cache ({tuple(value_cache.shape)}, {value_cache.dtype}) must match "
@@ -279,7 +306,9 @@ def check_reshape_and_cache_args(
                 f"{name} shape {tuple(tensor.shape)} must be [num_tokens, {num_kv_heads}, "
                 f"{head_size}] to match the cache's num_kv_heads and head_size"
             )
-        if tensor.dtype != key_cache.dtype:
+        if quantized:
+            _require_dtype(name, tensor, ATTENTION_DTYPES)
+        elif tensor.dtype != key_cache.dtype:
             raise ValueError(f"{name} dtype {tensor.dtype} must equal the cache dtype {key_cache.dtype}")
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")

@@ -96,9 +96,15 @@ class AttentionCapabilities:
             token trees verified in one step), ``"plan_chaining"`` (:meth:`AttentionBackend.plan`
             takes ``chain`` / ``previous``). Asking for ``sliding_window``,
             ``softcap`` or ``return_lse`` without the feature is refused.
+        supported_kv_cache_dtypes: the ``kv_cache_dtype`` pages it reads (vLLM's names):
+            ``"auto"`` (the query's dtype) and quantized formats of
+            :mod:`servelab.blocks.kv_quant` (``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``), read
+            with their ``k_scale`` / ``v_scale``; ``"any"``: every registered format (a torch
+            path that reads ``data * scale`` generically).
     """
 
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+    supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
     max_head_size: int | None = None
     block_sizes: tuple[int, int | None] = (1, None)
     device_types: tuple[str, ...] = ("cpu", "cuda")
@@ -163,7 +169,9 @@ class AttentionBackend(ABC):
             return f"backend {self.name!r} supports head sizes up to {caps.max_head_size}, got {head_size}"
         if key_cache is not None:
             if key_cache.dtype != query.dtype:
-                return f"key_cache dtype {key_cache.dtype} differs from query dtype {query.dtype}"
+                reason = self.kv_cache_dtype_problem(key_cache.dtype)
+                if reason is not None:
+                    return reason if reason else f"key_cache dtype {key_cache.dtype} differs from query dtype {query.dtype}"
             if key_cache.dim() == 4:
                 block_size = key_cache.shape[1]
                 low, high = caps.block_sizes
@@ -175,6 +183,20 @@ class AttentionBackend(ABC):
             if asked and feature not in caps.features:
                 return f"backend {self.name!r} does not implement {feature}"
         return self.device_problem(query.device)
+
+    def kv_cache_dtype_problem(self, cache_dtype: torch.dtype) -> str | None:
+        """Why this backend cannot read pages stored as ``cache_dtype`` (a quantized format's
+        storage dtype), ``None`` if it can, ``""`` if ``cache_dtype`` is no KV format at all."""
+        from servelab.blocks.kv_quant import format_of_dtype
+
+        fmt = format_of_dtype(cache_dtype)
+        if fmt is None:
+            return ""
+        supported = self.capabilities.supported_kv_cache_dtypes
+        if "any" in supported or fmt.name in supported:
+            return None
+        return (f"backend {self.name!r} cannot read kv_cache_dtype={fmt.name!r} pages ({cache_dtype}); "
+                f"it reads kv_cache_dtype {', '.join(map(repr, supported))}")
 
     def _refuse_unsupported(self, query: torch.Tensor, key_cache: torch.Tensor | None, **features: Any) -> None:
         reason = self.supports(query, key_cache, **features)
@@ -211,7 +233,7 @@ class AttentionBackend(ABC):
         scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
         softcap: float | None = None, out: torch.Tensor | None = None, num_splits: int | None = None,
         return_lse: bool = False, check_inputs: bool = True, plan: Any | None = None,
-        tree_mask: Any | None = None,
+        tree_mask: Any | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of a mixed batch over the paged cache: ``[T, Hq, D]`` in the
         query's dtype, or ``(out, lse float32 [T, Hq])`` with ``return_lse``.
@@ -234,17 +256,23 @@ class AttentionBackend(ABC):
             kwargs["plan"] = plan
         if tree_mask is not None:
             kwargs["tree_mask"] = tree_mask
+        if k_scale is not None or v_scale is not None:  # a quantized cache (servelab.blocks.kv_quant)
+            kwargs.update(k_scale=k_scale, v_scale=v_scale)
         return self._paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                           value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                          check_inputs: bool = True) -> None:
+                          check_inputs: bool = True, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
         """Write ``key`` / ``value`` ``[T, Hk, D]`` into the caches at ``slot_mapping``
         ``[n <= T]`` (slot ``s`` = block ``s // B``, offset ``s % B``; ``-1`` skips),
-        in place. ``check_inputs`` reads the slots (range, no slot twice)."""
+        in place. ``check_inputs`` reads the slots (range, no slot twice). A quantized
+        cache comes with its ``k_scale`` / ``v_scale`` (rows quantized as written)."""
         if isinstance(key, torch.Tensor) and isinstance(key_cache, torch.Tensor):
             self._refuse_unsupported(key, key_cache)
-        return self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_inputs=check_inputs)
+        extra = {} if k_scale is None and v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        return self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_inputs=check_inputs,
+                                       **extra)
 
     def merge_attn_states(self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                           lse_b: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -293,7 +321,7 @@ class SdpaAttentionBackend(AttentionBackend):
 
     name = "sdpa"
     capabilities = AttentionCapabilities(
-        dtypes=ALL_DTYPES, device_types=ANY_DEVICE,
+        dtypes=ALL_DTYPES, device_types=ANY_DEVICE, supported_kv_cache_dtypes=("auto", "any"),
         features=frozenset({"causal", "sliding_window", "gqa", "plan_chaining", "tree"}))
 
     def plan(self, block_table, seq_lens, query_start_loc, *, block_size, causal=True, sliding_window=None,
@@ -366,6 +394,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     capabilities = AttentionCapabilities(
         dtypes=(torch.float16, torch.bfloat16, torch.float32),
+        supported_kv_cache_dtypes=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
         max_head_size=256,
         device_types=("cpu", "cuda"),
         features=ALL_FEATURES | {"split_kv"},

@@ -19,6 +19,7 @@ import torch
 
 from servelab._internal.attention_checks import check_merge_attn_states_args, check_reshape_and_cache_args
 from servelab.attention import cpu_decode
+from servelab.blocks import kv_quant
 
 _library = cpu_decode.LibraryOnce()  # the C write's library (None: torch only)
 
@@ -31,31 +32,41 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     check_inputs: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter ``key`` / ``value`` ``[T, Hk, D]`` into the caches ``[N, B, Hk, D]``
     at ``slot_mapping`` int32/int64 ``[n <= T]`` (``-1`` skips a row), in place.
 
     ``check_inputs=False`` skips every check, shapes included (unlike the
     reference): the model passes it for layers after the first, whose
-    identical call was checked."""
+    identical call was checked. ``k_scale`` / ``v_scale``: a quantized cache's
+    scales, as the reference's (each row quantized as it is written)."""
     if check_inputs:
-        check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=True)
+        check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=True,
+                                     k_scale=k_scale, v_scale=v_scale)
     if slot_mapping.shape[0] == 0:
         return
-    write_prepared(key, value, key_cache, value_cache, *prepare_slots(slot_mapping))
+    write_prepared(key, value, key_cache, value_cache, *prepare_slots(slot_mapping), k_scale=k_scale,
+                   v_scale=v_scale)
 
 
 def write_prepared(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slots: torch.Tensor, rows: torch.Tensor | None, top: int = -1) -> None:
+                   slots: torch.Tensor, rows: torch.Tensor | None, top: int = -1, *,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """The write of :func:`reshape_and_cache` with the slots of :func:`prepare_slots` (no checks):
     the model prepares them once per step and writes every layer with this. ``top``: the
     largest slot (:func:`prepare_slots`'s third value), which lets the C write bound-check once."""
-    if rows is None and top >= 0 and _write_in_c(key, value, key_cache, value_cache, slots, top):
+    if k_scale is None and rows is None and top >= 0 and _write_in_c(key, value, key_cache, value_cache, slots,
+                                                                     top):
         return
     if rows is None:
         key, value = key[: slots.shape[0]], value[: slots.shape[0]]
     else:  # padding rows skipped
         key, value = key[rows], value[rows]
+    if k_scale is not None and v_scale is not None:
+        _write_quantized(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+        return
     for src, cache in ((key, key_cache), (value, value_cache)):
         num_blocks, block_size = cache.shape[:2]
         if num_blocks < 2 or cache.stride(0) == block_size * cache.stride(1):
@@ -64,6 +75,32 @@ def write_prepared(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src)  # view: never a silent copy
         else:
             cache.index_put_((slots // block_size, slots % block_size), src)
+
+
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """``cache[slot // B, slot % B] = src`` for ``cache`` ``[N, B, ...]`` (float8 moved as its bytes:
+    CPU torch has no float8 ``index_copy_``)."""
+    if cache.dtype.is_floating_point and cache.element_size() == 1:
+        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+    num_blocks, block_size = cache.shape[:2]
+    if num_blocks < 2 or cache.stride(0) == block_size * cache.stride(1):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, src)
+    else:
+        cache.index_put_((slots // block_size, slots % block_size), src)
+
+
+def _write_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Quantize each row (its own scale, stored beside it; or the static scale) and scatter it."""
+    fmt = kv_quant.format_of_dtype(key_cache.dtype)
+    if fmt is None:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} is not a registered KV-cache format")
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        static = kv_quant.is_static_scale(scale)
+        data, row_scale = kv_quant.quantize_rows(src, fmt, scale[0, 0] if static else None)
+        _scatter_rows(cache, slots, data)
+        if not static:
+            _scatter_rows(scale, slots, row_scale)
 
 
 def prepare_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:

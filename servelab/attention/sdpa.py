@@ -65,6 +65,7 @@ from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequ
     BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
 from servelab.attention.decode_kv import DecodeKV, on_device
 from servelab.attention.decode_plan import plan_decode_kv, to_host
+from servelab.blocks.kv_quant import is_static_scale
 
 GQA_NATIVE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 """SDPA takes ``enable_gqa`` (torch >= 2.5); False selects the query-folding fallback."""
@@ -271,7 +272,10 @@ def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, block_size:
 
 
 def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
-    """The group's K or V ``[n, max_kv, Hk, D]`` from a cache ``[N, B, Hk, D]``."""
+    """The group's K or V ``[n, max_kv, Hk, D]`` from a cache ``[N, B, Hk, D]`` (float8 gathered as
+    its bytes: CPU torch has no float8 ``index_select``)."""
+    if cache.dtype.is_floating_point and cache.element_size() == 1:
+        return _gather(cache.view(torch.uint8), group).view(cache.dtype)
     num_blocks, block_size = cache.shape[:2]
     if num_blocks < 2 or cache.stride(0) == block_size * cache.stride(1):
         # One index_select over the flattened (view of the) cache: ~2.5x faster
@@ -279,6 +283,13 @@ def _gather(cache: torch.Tensor, group: _Group) -> torch.Tensor:
         rows = cache.flatten(0, 1).index_select(0, group.kv_slots)
         return rows.view(*group.kv_blocks.shape, *cache.shape[2:])
     return cache[group.kv_blocks, group.kv_offsets]
+
+
+def _gather_scale(scale: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's scales ``[n, max_kv, Hk]`` from ``[N, B, Hk]`` (a static scale: its one row)."""
+    if is_static_scale(scale):
+        return scale[0, 0].expand(*group.kv_blocks.shape, scale.shape[2])
+    return _gather(scale, group)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -325,6 +336,8 @@ def paged_attention(
     check_inputs: bool = True,
     plan: AttentionPlan | None = None,
     tree_mask: TreeMask | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same signature and semantics as :func:`servelab.reference.paged_attention`
     (query ``[T, Hq, D]``, caches ``[N, B, Hk, D]``, int32 metadata; returns
@@ -332,7 +345,9 @@ def paged_attention(
     ``return_lse``; ``plan`` is :func:`plan_attention` of this step's metadata
     (made here when ``None``). With a ``plan`` and ``check_inputs=False`` no
     argument is checked at all (the caller checked an identical call). ``tree_mask``: token
-    trees, as in the reference (the plan must have been made with it)."""
+    trees, as in the reference (the plan must have been made with it). ``k_scale`` / ``v_scale``:
+    a quantized cache's scales (:mod:`servelab.blocks.kv_quant`); each group's gathered K/V is
+    dequantized in the compute dtype (a per-step temporary; carried decode K/V is not used)."""
     if softcap is not None:
         raise ValueError(f"softcap={softcap!r}: the sdpa backend cannot cap scores; use 'torch' or 'triton'")
     if return_lse:
@@ -346,7 +361,7 @@ def paged_attention(
         scale = check_paged_attention_args(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
             scale=scale, causal=causal, sliding_window=sliding_window, softcap=None,
-            out=out, num_splits=num_splits, check_values=check_inputs,
+            out=out, num_splits=num_splits, check_values=check_inputs, k_scale=k_scale, v_scale=v_scale,
         )
         if tree_mask is not None:
             check_tree_mask(tree_mask, query.shape[0], seq_lens, query_start_loc, sliding_window=sliding_window,
@@ -358,6 +373,10 @@ def paged_attention(
         _check_plan(plan, query.shape[0], seq_lens.shape[0], block_size, causal, sliding_window,
                     tree_mask is not None)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if k_scale is not None and v_scale is not None:
+        result = out if out is not None else torch.empty_like(query)
+        return _attend_groups(plan.gather_groups(), query, key_cache, value_cache, scale, compute, result,
+                              (k_scale, v_scale))
     if plan.decode_kv is not None:
         decoding = query if plan.decode_tokens is None else query.index_select(0, plan.decode_tokens)
         attn = plan.decode_kv.attend(decoding, key_cache, value_cache, scale, compute)
@@ -383,12 +402,17 @@ def paged_attention(
 
 
 def _attend_groups(groups: list[_Group], query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   scale: float, compute: torch.dtype, result: torch.Tensor) -> torch.Tensor:
-    """Each group's gather and SDPA call, its rows written into ``result`` ``[T, Hq, D]``."""
+                   scale: float, compute: torch.dtype, result: torch.Tensor,
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Each group's gather and SDPA call, its rows written into ``result`` ``[T, Hq, D]``;
+    ``kv_scales``: a quantized cache's ``(k_scale, v_scale)`` ``[N, B, Hk]``."""
     for g in groups:
         q = query.index_select(0, g.q_index.flatten()).view(*g.q_index.shape, *query.shape[1:]).to(compute)
         k = _gather(key_cache, g).to(compute)  # [n, max_kv, Hk, D]
         v = _gather(value_cache, g).to(compute)
+        if kv_scales is not None:  # dequantize: data * scale of its (token, head)
+            k.mul_(_gather_scale(kv_scales[0], g).to(compute).unsqueeze(-1))
+            v.mul_(_gather_scale(kv_scales[1], g).to(compute).unsqueeze(-1))
         attn = _attend(q, k, v, g.mask(compute), scale)
         rows = attn.reshape(-1, *attn.shape[2:])
         if g.out_src is not None:

@@ -54,6 +54,10 @@ class KVCacheBuffers:
     views: list[tuple[torch.Tensor, ...]]
     layout: str
     kernel_block_size: int
+    #: float32 ``[num_layers, 2, num_kv_heads]``: the K and V scales of a quantized cache with
+    #: static (``"tensor"`` / ``"head"``) scales, which every block of a layer shares (its views'
+    #: third and fourth tensors are stride-0 expansions of them); None otherwise.
+    static_scales: torch.Tensor | None = None
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -117,7 +121,23 @@ def allocate_kv_cache(
         for layer in views:
             for view in layer:
                 view[:rows].zero_()
-    return KVCacheBuffers(buffer, views, layout, kbs)
+    static = None
+    if isinstance(spec, AttentionSpec) and spec.kv_scale in ("tensor", "head"):
+        views, static = with_static_scales(views, spec, device)
+    return KVCacheBuffers(buffer, views, layout, kbs, static)
+
+
+def with_static_scales(views: list[tuple[torch.Tensor, ...]], spec: AttentionSpec, device: torch.device | str
+                       ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+    """Each layer's ``(key_cache, value_cache)`` with ``(k_scale, v_scale)`` appended: stride-0
+    ``[N, B, Hk]`` expansions of one float32 ``[num_layers, 2, Hk]`` tensor (all ones: vLLM's
+    default until calibrated), which is returned too."""
+    static = torch.ones((len(views), 2, spec.num_kv_heads), dtype=torch.float32, device=device)
+    out = []
+    for layer, (key_cache, value_cache) in enumerate(views):
+        shape = tuple(key_cache.shape[:3])
+        out.append((key_cache, value_cache, static[layer, 0].expand(shape), static[layer, 1].expand(shape)))
+    return out, static
 
 
 def layer_views(
@@ -188,7 +208,23 @@ def _one_layer(buffer, spec, layer: int, num_layers: int, num_blocks: int, layou
     strides = [block_stride // ratio, token_bytes, spec.head_size * isz, isz]
     views = tuple(_view(buffer, spec.dtype, shape, strides, base + t * next_tensor) for t in range(spec.num_tensors))
     if isinstance(spec, MLAAttentionSpec):
+        if spec.kv_scale == "token_head":
+            raise ValueError("kv_scale='token_head' is not laid out for MLAAttentionSpec")
         return (views[0].squeeze(2),)
+    scale_bytes = spec.scale_bytes_per_tensor
+    if scale_bytes:
+        # The scales follow the data: [layer][K|V|K scales|V scales][block] (layer_outermost) or
+        # [block][layer][K|V|K scales|V scales] (block_outermost), float32 [N, B, Hk] each.
+        if layout == "layer_outermost":
+            scale_base, scale_stride, next_scale = base + 2 * num_blocks * tensor_bytes, scale_bytes, \
+                num_blocks * scale_bytes
+        else:
+            scale_base, scale_stride, next_scale = base + 2 * tensor_bytes, block_stride, scale_bytes
+        scale_shape = (num_blocks * ratio, kbs, heads)
+        scale_strides = [scale_stride // ratio, heads * 4, 4]
+        scales = [_view(buffer, torch.float32, scale_shape, scale_strides, scale_base + t * next_scale)
+                  for t in range(2)]
+        return (*views, *scales)
     return views
 
 

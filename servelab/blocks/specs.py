@@ -100,6 +100,11 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype
+    #: A quantized page's scale granularity (:mod:`servelab.blocks.kv_quant`): ``"token_head"``
+    #: stores one float32 scale per token, KV head and tensor in the page (counted in
+    #: ``page_size_bytes``); ``"tensor"`` / ``"head"`` scales are per layer, outside the pages;
+    #: None for an unquantized cache.
+    kv_scale: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +112,28 @@ class AttentionSpec(KVCacheSpec):
         _require_positive_int(self, "head_size")
         # frozen: go through object.__setattr__ to store the resolved dtype.
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        self._check_kv_scale()
+
+    def _check_kv_scale(self) -> None:
+        from servelab.blocks.kv_quant import SCALE_GRANULARITIES, available_kv_cache_dtypes, is_quantized_dtype
+
+        if self.kv_scale is None:
+            return
+        if self.kv_scale not in SCALE_GRANULARITIES:
+            raise ValueError(f"kv_scale={self.kv_scale!r} is invalid; valid: None, {', '.join(SCALE_GRANULARITIES)}")
+        if not is_quantized_dtype(self.dtype):
+            raise ValueError(f"kv_scale={self.kv_scale!r} with dtype {self.dtype}, which is not a quantized KV "
+                             f"format ({', '.join(available_kv_cache_dtypes())})")
+        data_bytes = self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        if self.kv_scale == "token_head" and data_bytes % 4:
+            raise ValueError(f"a token_head page needs block_size * num_kv_heads * head_size * itemsize "
+                             f"= {data_bytes} divisible by 4 (its float32 scales follow the data)")
+
+    @property
+    def scale_bytes_per_tensor(self) -> int:
+        """Bytes of one block's float32 scales for one tensor (K or V): ``block_size *
+        num_kv_heads * 4`` with ``kv_scale="token_head"``, else 0."""
+        return self.block_size * self.num_kv_heads * 4 if self.kv_scale == "token_head" else 0
 
     @property
     def num_tensors(self) -> int:
@@ -115,8 +142,10 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one block for one layer: the data and, for ``kv_scale="token_head"``, its scales."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_tensors * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        data = self.block_size * self.num_kv_heads * self.head_size * itemsize
+        return self.num_tensors * (data + self.scale_bytes_per_tensor)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _stored_values(data, KV_FORMAT: tl.constexpr):
+    """Stored page values -> float32 (float8 pages arrive as their bytes: bitcast first)."""
+    if KV_FORMAT == 2:
+        return data.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if KV_FORMAT == 3:
+        return data.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return data.to(tl.float32)
+
+
+@triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """Index of the sequence whose query blocks contain ``q_block`` (upper-bound search)."""
     # Annotated so both start as int32 tensors: a loop may not reassign a
@@ -85,10 +95,13 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, tree_ancestors_ptr, tree_lens_ptr,
+    k_scale_ptr, v_scale_ptr,
     num_seqs, scale, softcap, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ksb, stride_kss, stride_ksh,
+    stride_vsb, stride_vss, stride_vsh,
     stride_os, stride_ot, stride_oh, stride_od,
     stride_ls, stride_lt, stride_lh,
     stride_bt_seq, stride_bt_col,
@@ -97,7 +110,11 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, STORE_LSE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, FP32_IEEE: tl.constexpr, USE_TREE: tl.constexpr,
+    KV_FORMAT: tl.constexpr = 0,
 ):
+    # KV_FORMAT: 0 the query's dtype; quantized pages (servelab.blocks.kv_quant), dequantized in the
+    # loads as data * scale[block, token, head]: 1 int8, 2 float8 e4m3, 3 float8 e5m2 (fp8 pages are
+    # passed as their bytes, uint8, and bitcast here).
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,6 +179,13 @@ def _paged_attention_kernel(
                     mask=dim_valid[:, None] & kv_valid[None, :], other=0.0)
         v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :] * stride_vd,
                     mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+        if KV_FORMAT != 0:  # dequantize in the loads: stored value * its (block, token, head) scale
+            k_scales = tl.load(k_scale_ptr + block_ids * stride_ksb + in_block * stride_kss + kv_head * stride_ksh,
+                               mask=kv_valid, other=0.0)
+            v_scales = tl.load(v_scale_ptr + block_ids * stride_vsb + in_block * stride_vss + kv_head * stride_vsh,
+                               mask=kv_valid, other=0.0)
+            k = (_stored_values(k, KV_FORMAT) * k_scales[None, :]).to(q.dtype)
+            v = (_stored_values(v, KV_FORMAT) * v_scales[:, None]).to(q.dtype)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -342,7 +366,7 @@ def plan_launch(
     *, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int, head_size: int,
     block_size: int, max_context: int, dtype: torch.dtype, causal: bool, sliding_window: int | None,
     softcap: float | None, return_lse: bool, num_splits: int | None, interpreted: bool, num_sms: int,
-    tree: bool = False,
+    tree: bool = False, kv_format: int = 0,
 ) -> LaunchPlan:
     """Pick tiles and split count and derive the kernels' constexprs and grids."""
     group = num_q_heads // num_kv_heads
@@ -358,6 +382,7 @@ def plan_launch(
         NUM_SPLITS=num_splits, CAUSAL=causal, USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None, STORE_LSE=num_splits > 1 or return_lse,
         DOT_IN_FP32=dot_in_fp32(dtype, interpreted), FP32_IEEE=dtype == torch.float32, USE_TREE=tree,
+        KV_FORMAT=kv_format,
     )
     # A few heads per combine program on a GPU (plenty of programs); all heads
     # of a token under the interpreter, where each program costs milliseconds.
@@ -394,8 +419,14 @@ def paged_attention(
     return_lse: bool = False,
     check_inputs: bool = True,
     tree_mask: TreeMask | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged attention of a mixed batch in one Triton launch (two with split-KV).
+
+    Quantized pages (int8, float8 e4m3 / e5m2 with ``k_scale`` / ``v_scale`` float32
+    ``[num_blocks, block_size, num_kv_heads]``, any strides, :mod:`servelab.blocks.kv_quant`)
+    are dequantized inside the K/V loads: no dequantized copy of the cache.
 
     Arguments, result and semantics as :func:`servelab.reference.paged_attention`
     (shapes: ``query`` ``[num_tokens, num_q_heads, head_size]``, caches
@@ -414,8 +445,12 @@ def paged_attention(
     scale = check_paged_attention_args(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
-        out=out, num_splits=num_splits, check_values=check_inputs,
+        out=out, num_splits=num_splits, check_values=check_inputs, k_scale=k_scale, v_scale=v_scale,
     )
+    kv_format = KV_FORMATS.get(key_cache.dtype, 0) if k_scale is not None else 0
+    if k_scale is not None and kv_format == 0:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} is not a page format the Triton kernel reads "
+                         f"({', '.join(str(d) for d in KV_FORMATS)})")
     if query.dtype not in KERNEL_DTYPES:
         raise ValueError(
             f"query dtype {query.dtype} is not supported by the Triton kernel "
@@ -443,18 +478,24 @@ def paged_attention(
         head_size=head_size, block_size=block_size, max_context=max_context,
         dtype=query.dtype, causal=causal, sliding_window=sliding_window, softcap=softcap,
         return_lse=return_lse, num_splits=num_splits, interpreted=INTERPRETED,
-        num_sms=sm_count(query.device), tree=tree_mask is not None,
+        num_sms=sm_count(query.device), tree=tree_mask is not None, kv_format=kv_format,
     )
+    if kv_format in (2, 3):  # float8 pages travel as their bytes (bitcast in the kernel)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    kv_scales = (k_scale, v_scale) if k_scale is not None and v_scale is not None else None
     _launch(plan, query, key_cache, value_cache, block_table, seq_lens.contiguous(), query_start_loc.contiguous(),
-            out, lse, scale, softcap, sliding_window, max_context, tree_mask)
+            out, lse, scale, softcap, sliding_window, max_context, tree_mask, kv_scales)
     return (out, lse) if return_lse else out
 
+
+#: Quantized page formats the kernel dequantizes in its loads (KV_FORMAT constexpr values).
+KV_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 __all__ = ["AttentionTiles", "LaunchPlan", "choose_num_splits", "choose_tiles", "paged_attention", "plan_launch"]
 
 
 def _launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, lse, scale,
-            softcap, sliding_window, max_context, tree_mask=None) -> None:
+            softcap, sliding_window, max_context, tree_mask=None, kv_scales=None) -> None:
     """Run :func:`paged_attention`'s planned launch: the attention kernel into ``out`` / ``lse``
     (``lse`` may be ``None``), or with split-KV into float32 workspaces merged by the combine kernel."""
     num_tokens, num_q_heads, head_size = query.shape
@@ -471,13 +512,16 @@ def _launch(plan, query, key_cache, value_cache, block_table, seq_lens, query_st
     # Without a tree the two pointers are never read (USE_TREE=False): any int tensors do.
     tree_ancestors, tree_lens = (tree_mask.ancestors.contiguous(), tree_mask.tree_lens.contiguous()) \
         if tree_mask is not None else (seq_lens, seq_lens)
+    # Unquantized pages: the scale pointers are never read (KV_FORMAT=0), any float tensor does.
+    k_scale, v_scale = kv_scales if kv_scales is not None else (out, out)
+    scale_strides = (*k_scale.stride(), *v_scale.stride()) if kv_scales is not None else (0,) * 6
     _paged_attention_kernel[plan.grid](
         query, key_cache, value_cache, target, target_lse,
-        block_table, seq_lens, query_start_loc, tree_ancestors, tree_lens,
+        block_table, seq_lens, query_start_loc, tree_ancestors, tree_lens, k_scale, v_scale,
         # A window wider than anything the table can address changes nothing;
         # clamping keeps it an int32.
         seq_lens.shape[0], scale, float(softcap or 1.0), min(int(sliding_window or 1), max_context + 1),
-        *query.stride(), *key_cache.stride(), *value_cache.stride(),
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *scale_strides,
         *out_strides, *lse_strides, *block_table.stride(),
         **plan.attention_constants, num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
     )

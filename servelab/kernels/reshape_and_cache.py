@@ -60,6 +60,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     check_inputs: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into the
     caches ``[num_blocks, block_size, num_kv_heads, head_size]`` at
@@ -67,8 +69,18 @@ def reshape_and_cache(
 
     Kernel limits: float16/bfloat16/float32. ``check_inputs`` checks slot
     values (one host sync). Returns nothing; the caches are updated in place.
+    A quantized cache (``k_scale`` / ``v_scale``, :mod:`servelab.blocks.kv_quant`) is written by
+    the vectorised torch write (:func:`servelab.attention.ops.reshape_and_cache`: each row
+    quantized with its own or the static scale); no Triton quantizing write yet.
     """
-    check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=check_inputs)
+    check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=check_inputs,
+                                 k_scale=k_scale, v_scale=v_scale)
+    if k_scale is not None or v_scale is not None:
+        from servelab.attention.ops import reshape_and_cache as torch_write
+
+        torch_write(key, value, key_cache, value_cache, slot_mapping, check_inputs=False, k_scale=k_scale,
+                    v_scale=v_scale)
+        return
     if key.dtype not in KERNEL_DTYPES:
         raise ValueError(
             f"key dtype {key.dtype} is not supported by the Triton kernel (float16, bfloat16, float32)"

@@ -82,10 +82,13 @@ class SoftcapStepAttention(_StepAttention):
         super().__init__(ops, metadata, block_size)
         self.softcap = softcap
 
-    def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
+    def paged_attention(self, query, key_cache, value_cache, k_scale=None, v_scale=None, *, scale: float,
+                        sliding_window: int | None):
         m = self.metadata
         args = (query, key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc)
         extra: dict[str, Any] = {}
+        if k_scale is not None:  # a quantized cache (servelab.blocks.kv_quant)
+            extra.update(k_scale=k_scale, v_scale=v_scale)
         if self.softcap is not None:
             extra["softcap"] = self.softcap
         if sliding_window is not None:
@@ -134,9 +137,10 @@ class Gemma2Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        key_cache, value_cache = kv_cache
-        attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache)
-        out = attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
+        key_cache, value_cache, *kv_scales = kv_cache  # + (k_scale, v_scale) for a quantized cache
+        attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache,
+                                    *kv_scales)
+        out = attention.paged_attention(q, key_cache, value_cache, *kv_scales, scale=self.scale,
                                         sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(n, self.q_size))
 

@@ -109,15 +109,20 @@ class _StepAttention:
             cached = self._rope = (cos, sin, cos[:, None, :], signed[:, None, :])
         return cached[2], cached[3]
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache) -> None:
+    def reshape_and_cache(self, key, value, key_cache, value_cache, k_scale=None, v_scale=None) -> None:
         slots = self.metadata.slot_mapping
+        # A quantized cache's scales (servelab.blocks.kv_quant), passed only when there are some.
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         if not self.is_backend:
-            return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+            return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, **scales)
         if self.checked_write:
             if self.prepared_slots is not None:  # the default writer: slots prepared once per step
-                return attention_ops.write_prepared(key, value, key_cache, value_cache, *self.prepared_slots)
-            return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False)
-        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=self.check_values)
+                return attention_ops.write_prepared(key, value, key_cache, value_cache, *self.prepared_slots,
+                                                    **scales)
+            return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False,
+                                               **scales)
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=self.check_values,
+                                   **scales)
         self.checked_write = True
         if type(self.ops)._reshape_and_cache is AttentionBackend._reshape_and_cache and slots.shape[0]:
             self.prepared_slots = attention_ops.prepare_slots(slots)
@@ -160,20 +165,23 @@ class _StepAttention:
         decode_kv = getattr(plan, "decode_kv", None)
         return decode_kv if decode_kv is not None and plan.decode_tokens is None else None
 
-    def paged_attention(self, query, key_cache, value_cache, *, scale: float, sliding_window: int | None):
+    def paged_attention(self, query, key_cache, value_cache, k_scale=None, v_scale=None, *, scale: float,
+                        sliding_window: int | None):
         m = self.metadata
         args = (query, key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc)
         tree = {} if getattr(m, "tree_mask", None) is None else {"tree_mask": m.tree_mask}  # token trees
+        # A quantized cache's scales go with it (never to plan()).
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         if not self.is_backend:
             extra = {} if sliding_window is None else {"sliding_window": sliding_window}
-            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra, **tree)
+            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra, **tree, **scales)
         if sliding_window not in self.plans:
             chaining = {"chain": True, "previous": self.previous_plans.get(sliding_window)} if self.chain else {}
             self.plans[sliding_window] = self.ops.plan(m.block_table, m.seq_lens, m.query_start_loc,
                                                        block_size=self.block_size, causal=True,
                                                        sliding_window=sliding_window, **chaining, **tree)
         plan = self.plans[sliding_window]
-        extra = dict(tree) if plan is None else {"plan": plan, **tree}
+        extra = {**tree, **scales} if plan is None else {"plan": plan, **tree, **scales}
         if sliding_window not in self.checked_read:
             self.checked_read.add(sliding_window)
             return self.ops.paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
@@ -252,14 +260,15 @@ class LlamaAttention(nn.Module):
                attention: _StepAttention) -> torch.Tensor:
         """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache``, then attend ``q``
         ``[T, num_heads, head_dim]`` over it -> ``[T, num_heads, head_dim]`` (also the glued layer's)."""
-        key_cache, value_cache = kv_cache
-        out = attention.carried_attend(k, v, q, key_cache, value_cache, scale=self.scale,
-                                       sliding_window=self.sliding_window)
-        if out is not None:
-            return out
+        key_cache, value_cache, *kv_scales = kv_cache  # + (k_scale, v_scale) for a quantized cache
+        if not kv_scales:
+            out = attention.carried_attend(k, v, q, key_cache, value_cache, scale=self.scale,
+                                           sliding_window=self.sliding_window)
+            if out is not None:
+                return out
         # Write first: this step's queries attend to this step's keys too.
-        attention.reshape_and_cache(k, v, key_cache, value_cache)
-        return attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
+        attention.reshape_and_cache(k, v, key_cache, value_cache, *kv_scales)
+        return attention.paged_attention(q, key_cache, value_cache, *kv_scales, scale=self.scale,
                                          sliding_window=self.sliding_window)
 
 
@@ -405,6 +414,7 @@ class LlamaForCausalLM(nn.Module):
             return self.model.norm(x)
         ops = self.attention
         chain = "plan_chaining" in getattr(getattr(ops, "capabilities", None), "features", ())
+        chain = chain and not (caches and len(caches[0]) > 2)  # no carried K/V over quantized pages
         attention = _StepAttention(ops, attn_metadata, caches[0][0].shape[1] if caches else 1,
                                    check_values=self.check_inputs, chain=chain,
                                    previous_plans=self._previous_plans(ops, caches) if chain else None)

@@ -35,9 +35,10 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        key_cache, value_cache = kv_cache
-        attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache)
-        out = attention.paged_attention(q, key_cache, value_cache, scale=self.scale,
+        key_cache, value_cache, *kv_scales = kv_cache  # + (k_scale, v_scale) for a quantized cache
+        attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache,
+                                    *kv_scales)
+        out = attention.paged_attention(q, key_cache, value_cache, *kv_scales, scale=self.scale,
                                         sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(n, self.q_size))
 

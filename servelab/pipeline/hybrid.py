@@ -49,6 +49,8 @@ from servelab.blocks import (
     layer_views,
     make_kv_cache_groups,
 )
+from servelab.blocks.kv_quant import kv_cache_storage
+from servelab.blocks.layout import with_static_scales
 from servelab.blocks.specs import request_blocks_cap
 from servelab.models import GroupedAttentionMetadata
 from servelab.models.metadata import AttentionMetadata
@@ -60,11 +62,13 @@ __all__ = ["HybridModelRunner", "allocate_group_kv_caches", "build_hybrid_kv_cac
            "default_num_blocks_hybrid", "layer_kv_cache_specs", "wants_kv_cache_groups"]
 
 
-def layer_kv_cache_specs(model: Any, block_size: int, dtype: torch.dtype) -> list[Any]:
+def layer_kv_cache_specs(model: Any, block_size: int, dtype: torch.dtype, kv_scale: str | None = None) -> list[Any]:
     """Per model layer its spec: ``SlidingWindowSpec`` for a layer with a window
-    (``ModelConfig.sliding_windows``), ``FullAttentionSpec`` otherwise."""
+    (``ModelConfig.sliding_windows``), ``FullAttentionSpec`` otherwise; ``dtype`` / ``kv_scale``:
+    the pages' storage (:func:`servelab.blocks.kv_quant.kv_cache_storage`)."""
     cfg = model.config
-    common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim, dtype=dtype)
+    common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim, dtype=dtype,
+                  kv_scale=kv_scale)
     return [FullAttentionSpec(**common) if w is None else SlidingWindowSpec(sliding_window=w, **common)
             for w in cfg.sliding_windows]
 
@@ -116,7 +120,8 @@ def build_hybrid_kv_cache_manager(config: PipelineConfig, model: Any, max_model_
     """A :class:`~servelab.blocks.HybridKVCacheManager` for ``model``'s layer kinds, sized by the
     resolved ``config`` (its cache, scheduling and speculative sections), checked to fit in memory."""
     cache = config.cache
-    groups = make_kv_cache_groups(layer_kv_cache_specs(model, cache.block_size, model.dtype))
+    storage = kv_cache_storage(cache.kv_cache_dtype, cache.kv_cache_scale, model.dtype)
+    groups = make_kv_cache_groups(layer_kv_cache_specs(model, cache.block_size, *storage))
     num_layers = model.config.num_hidden_layers
     num_blocks = cache.num_blocks
     if num_blocks is None:
@@ -192,7 +197,10 @@ def allocate_group_kv_caches(groups: Sequence[KVCacheGroup], num_layers: int, nu
             views[layer] = tensors[j]
     if any(v is None for v in views):
         raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} are in no KV-cache group")
-    return KVCacheBuffers(buffers.buffer, views, buffers.layout, buffers.kernel_block_size)
+    static = None
+    if buffers.static_scales is not None:  # static K/V scales are per model layer, not per shared tensor
+        views, static = with_static_scales([v[:2] for v in views], first, device)
+    return KVCacheBuffers(buffers.buffer, views, buffers.layout, buffers.kernel_block_size, static)
 
 
 class HybridModelRunner(ModelRunner):

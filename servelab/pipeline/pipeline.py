@@ -210,7 +210,8 @@ class Pipeline(BatchRuns, OutputDelivery):
                                                       self.num_blocks, device=model.device)
         else:
             self.kv_caches = allocate_kv_caches(model, self.num_blocks, self.block_size,
-                                                dtype=getattr(manager.spec, "dtype", None))
+                                                dtype=getattr(manager.spec, "dtype", None),
+                                                kv_scale=getattr(manager.spec, "kv_scale", None))
         self.kv_cache_bytes = int(self.kv_caches.buffer.numel() * self.kv_caches.buffer.element_size()) \
             if hasattr(self.kv_caches, "buffer") else 0
         check_attention(model, self.kv_caches.views[0][0])

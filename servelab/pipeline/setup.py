@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from servelab._internal.conformance import check_conforms
 from servelab.attention.backends import default_attention_backend
 from servelab.blocks import KVCacheManager
 from servelab.blocks.interfaces import KVCacheManagerProtocol
+from servelab.blocks.kv_quant import is_quantized_dtype, kv_cache_storage
 from servelab.config import PipelineConfig
 from servelab.models import kv_cache_spec
 from servelab.pipeline.hybrid import build_hybrid_kv_cache_manager, check_groups_fit, wants_kv_cache_groups
@@ -136,7 +137,8 @@ def check_attention(model: Any, key_cache: torch.Tensor) -> None:
     if supports is None:
         return
     cfg = model.config
-    query = torch.zeros((1, cfg.num_attention_heads, cfg.head_dim), dtype=key_cache.dtype, device=key_cache.device)
+    query_dtype = model.dtype if is_quantized_dtype(key_cache.dtype) else key_cache.dtype  # int8/fp8 pages
+    query = torch.zeros((1, cfg.num_attention_heads, cfg.head_dim), dtype=query_dtype, device=key_cache.device)
     reason = supports(query, key_cache, sliding_window=cfg.sliding_window,
                       softcap=getattr(model, "attn_softcap", None))  # Gemma 2
     if reason is not None:
@@ -168,7 +170,8 @@ def build_kv_cache_manager(config: PipelineConfig, model: Any, max_model_len: in
     cache = config.cache
     if wants_kv_cache_groups(cache.kv_cache_groups, model):
         return build_hybrid_kv_cache_manager(config, model, max_model_len)
-    spec = kv_cache_spec(model, cache.block_size, model.dtype)
+    storage_dtype, kv_scale = kv_cache_storage(cache.kv_cache_dtype, cache.kv_cache_scale, model.dtype)
+    spec = replace(kv_cache_spec(model, cache.block_size, storage_dtype), kv_scale=kv_scale)  # bytes: data + scales
     num_layers = model.config.num_hidden_layers
     num_blocks = cache.num_blocks
     setting, value = "num_blocks", num_blocks

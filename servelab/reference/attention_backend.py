@@ -23,7 +23,8 @@ class TorchAttentionBackend(AttentionBackend):
     """The PyTorch references: any device torch runs on, float64 included, any head size."""
 
     name = "torch"
-    capabilities = AttentionCapabilities(dtypes=ALL_DTYPES, device_types=ANY_DEVICE, features=ALL_FEATURES)
+    capabilities = AttentionCapabilities(dtypes=ALL_DTYPES, device_types=ANY_DEVICE, features=ALL_FEATURES,
+                                         supported_kv_cache_dtypes=("auto", "any"))
 
     def _paged_attention(self, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return paged_attention(*args, **kwargs)

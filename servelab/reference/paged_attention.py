@@ -11,6 +11,7 @@ import torch
 
 from servelab._internal.attention_checks import check_paged_attention_args
 from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
+from servelab.reference.kv_quant import dequantize
 
 
 def paged_attention(
@@ -30,6 +31,8 @@ def paged_attention(
     return_lse: bool = False,
     check_inputs: bool = True,
     tree_mask: TreeMask | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a mixed batch (decodes, chunked and fresh prefills) over a paged KV cache.
 
@@ -63,6 +66,9 @@ def paged_attention(
             sequence ``i``); a query row sees a tree key only if its
             ``ancestors`` bitmap has the key's bit (see
             :mod:`servelab._internal.tree_mask`). Causal only, no window.
+        k_scale, v_scale: a quantized cache's float32 scales ``[num_blocks, block_size,
+            num_kv_heads]`` (:mod:`servelab.blocks.kv_quant`): the caches then hold int8 / fp8
+            data, read as ``data * scale`` in the compute dtype (dequantize, then attend).
 
     Returns:
         ``out`` (``query``'s shape and dtype), or ``(out, lse)`` with ``return_lse``.
@@ -70,15 +76,16 @@ def paged_attention(
     scale = check_paged_attention_args(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
-        out=out, num_splits=num_splits, check_values=check_inputs,
+        out=out, num_splits=num_splits, check_values=check_inputs, k_scale=k_scale, v_scale=v_scale,
     )
     tree_lens = None
     if tree_mask is not None:
         check_tree_mask(tree_mask, query.shape[0], seq_lens, query_start_loc, sliding_window=sliding_window,
                         check_values=check_inputs)
         tree_lens = tree_mask.tree_lens.tolist()
+    kv_scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
     result, lse = _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                              causal, sliding_window, softcap, tree_mask, tree_lens)
+                              causal, sliding_window, softcap, tree_mask, tree_lens, kv_scales)
 
     if out is None:
         out = torch.empty_like(query)
@@ -91,7 +98,7 @@ def paged_attention(
 
 
 def _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, causal,
-                sliding_window, softcap, tree_mask, tree_lens) -> tuple[torch.Tensor, torch.Tensor]:
+                sliding_window, softcap, tree_mask, tree_lens, kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's rows, one sequence at a time: ``(result [T, Hq, D], lse [T, Hq])`` in the
     compute dtype (float64 for float64 input, else float32)."""
     compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -105,7 +112,7 @@ def _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_star
         q_begin, q_end = starts[i], starts[i + 1]
         if q_end == q_begin:
             continue
-        k, v = _gather_sequence(key_cache, value_cache, block_table[i], seq_len, group, compute_dtype)
+        k, v = _gather_sequence(key_cache, value_cache, block_table[i], seq_len, group, compute_dtype, kv_scales)
         q = query[q_begin:q_end].to(compute_dtype)
         tree = None if tree_mask is None or tree_lens is None else (tree_mask.ancestors[q_begin:q_end],
                                                                      seq_len - tree_lens[i])
@@ -114,13 +121,19 @@ def _attend_all(query, key_cache, value_cache, block_table, seq_lens, query_star
     return result, lse
 
 def _gather_sequence(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks_row: torch.Tensor, seq_len: int,
-                     group: int, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     group: int, compute_dtype: torch.dtype,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's K and V ``[seq_len, num_q_heads, head_size]`` in token order, each KV
-    head repeated for the ``group`` query heads that read it (query head ``h`` -> KV head ``h // group``)."""
+    head repeated for the ``group`` query heads that read it (query head ``h`` -> KV head ``h // group``).
+    ``kv_scales``: a quantized cache's ``(k_scale, v_scale)`` ``[N, B, Hk]``: dequantized here (float64)."""
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     blocks = blocks_row[: -(-seq_len // block_size)].long()
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len].to(compute_dtype)
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+    if kv_scales is not None:
+        k = dequantize(k, kv_scales[0][blocks].reshape(-1, num_kv_heads)[:seq_len])
+        v = dequantize(v, kv_scales[1][blocks].reshape(-1, num_kv_heads)[:seq_len])
+    k, v = k.to(compute_dtype), v.to(compute_dtype)
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 

@@ -74,6 +74,10 @@ def attention_cases():
                                                 head_size=256), {}
     yield "tree verify bf16 h64 (token-tree mask)", dict(base, num_tokens=8 * 33, num_seqs=8, max_context=4096,
                                                           head_size=64, tree=True), {}
+    yield "decode bf16 int8 pages (kv_quant)", dict(base, num_tokens=64, num_seqs=64, max_context=4096,
+                                                    kv_format=1), {}
+    yield "decode bf16 fp8 e4m3 pages (kv_quant)", dict(base, num_tokens=64, num_seqs=64, max_context=4096,
+                                                        kv_format=2), {}
 
 
 def main() -> int:
@@ -92,7 +96,8 @@ def main() -> int:
     for name, shape, specialised in attention_cases():
         plan = attention.plan_launch(**shape, interpreted=False, num_sms=132)
         element = TRITON_TYPES[shape["dtype"]]
-        pointers = dict(q_ptr=element, k_cache_ptr=element, v_cache_ptr=element,
+        page = {0: element, 1: "i8", 2: "u8", 3: "u8"}[shape.get("kv_format", 0)]  # fp8 pages travel as bytes
+        pointers = dict(q_ptr=element, k_cache_ptr=page, v_cache_ptr=page, k_scale_ptr="fp32", v_scale_ptr="fp32",
                         out_ptr="fp32" if plan.num_splits > 1 else element, lse_ptr="fp32",
                         block_table_ptr="i32", seq_lens_ptr="i32", query_start_loc_ptr="i32",
                         tree_ancestors_ptr="i64", tree_lens_ptr="i32")
