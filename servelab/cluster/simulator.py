@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab._internal.frozen_heap import frozen_heap
 from servelab._internal.validation import check_int
 from servelab.blocks import FullAttentionSpec, KVCacheManager
 from servelab.blocks.events import KVEventIndex
@@ -118,7 +119,8 @@ def simulate_cluster(
         cluster.add_replica(Replica(i, role, sched, kv, time_of, decode_build if role == "decode" else front_build,
                                     kv_index=index))
     wall = time.perf_counter()
-    cluster.run(arrivals)
+    with frozen_heap():  # as simulate: the collector's full passes skip what was alive at the start
+        cluster.run(arrivals)
     wall = time.perf_counter() - wall
     return _result(cluster, router, router_obj, policy, pd, ttft_slo_s, tpot_slo_s, wall, num_blocks, block_size)
 

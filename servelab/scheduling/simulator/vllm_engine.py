@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab._internal.frozen_heap import frozen_heap
 from servelab.scheduling.config import SchedulerConfig
 from servelab.scheduling.request import RequestMetrics
 from servelab.scheduling.simulator.cost_model import StepCostModel
@@ -140,7 +141,8 @@ def simulate_vllm(
     rep = _VllmReplica(sched, time_of, build)
     loop = SimLoop([rep], clock, lambda trace: rep if loop.add(rep, trace) else None, max_steps=max_steps)
     wall_start = time.perf_counter()
-    loop.run(arrivals)
+    with frozen_heap():  # as simulate: the collector's full passes skip what was alive at the start
+        loop.run(arrivals)
     wall = time.perf_counter() - wall_start
     name = policy if isinstance(policy, str) else getattr(policy, "name", type(policy).__name__)
     num_preemptions = sum(m.num_preemptions for m in rep.finished)
