@@ -105,3 +105,11 @@ def test_an_unknown_grammar_backend_is_refused_when_the_manager_is_built():
 
     with pytest.raises(ValueError, match="grammar_backend='nope'.*valid: xgrammar"):
         StructuredOutputManager(None, 64, backend="nope")
+
+
+def test_a_pipeline_with_an_unknown_grammar_backend_is_refused_when_built(tmp_path):
+    from servelab import Pipeline
+    from servelab.models import build_tiny_model
+
+    with pytest.raises(ValueError, match="grammar_backend='nope'"):
+        Pipeline.from_pretrained(build_tiny_model(tmp_path / "tiny"), grammar_backend="nope")
