@@ -3,8 +3,12 @@
 A user mistake (a bad option, a trace with a bad row, a model folder that is
 not a checkpoint, a KV pool too small for any request) never prints a
 traceback: the command exits with status 2 and one line on stderr naming what
-is wrong (``servelab <command>: error: ...``). Status 1 means the command ran
-but some requests failed (their reasons are printed); 130 means interrupted.
+is wrong (``servelab <command>: error: ...``). One exit rule for every command
+(:func:`_failed_exit`): 0 every request served, 1 some requests failed (their
+reasons are printed), 2 a usage error or every request failed, 130
+interrupted (finished rows kept). Outputs are checked before the run, sizes
+against the machine's memory, and an option that has no effect in the chosen
+mode is refused (:mod:`servelab.cli.options`, :mod:`servelab.cli.bounds`).
 """
 
 from __future__ import annotations
@@ -153,14 +157,7 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"  {message}")
     print(f"\nfirst output: {outputs[0].text!r} ({outputs[0].finish_reason})")
     print(f"report figure: {figure}")
-    if metrics.num_errors:
-        failed, total = metrics.num_errors, len(outputs)
-        first = errors[0] if errors else "see the errors above"
-        if failed == total:  # nothing could be served: the configuration is wrong
-            return _fail("demo", f"all {total} requests failed: {first}")
-        print(f"servelab demo: {failed} of {total} requests failed: {first}", file=sys.stderr)
-        return 1
-    return 0
+    return _failed_exit("demo", metrics.num_errors, len(outputs), errors[0] if errors else "see the errors above")
 
 
 def _blocks(args: argparse.Namespace) -> int:
