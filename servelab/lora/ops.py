@@ -21,9 +21,23 @@ import torch
 __all__ = ["bgmv_expand", "bgmv_shrink", "sgmv_expand", "sgmv_shrink", "slot_groups"]
 
 
+_LAST_GROUPS: list = [None, None, None]  # the last indices tensor (held: its id is never reused), a copy, groups
+
+
 def slot_groups(indices: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
     """``[(slot, rows)]`` for each slot present in ``indices`` ``[T]`` (``-1`` skipped);
-    ``rows`` is a slice when the slot's rows are contiguous (no gather needed)."""
+    ``rows`` is a slice when the slot's rows are contiguous (no gather needed). The last
+    answer is kept for the same tensor object with the same values (a copy is compared:
+    inference tensors have no version counter): a step's wrapped layers all pass the step's
+    one indices tensor."""
+    if _LAST_GROUPS[0] is indices and torch.equal(_LAST_GROUPS[1], indices):
+        return _LAST_GROUPS[2]
+    groups = _slot_groups(indices)
+    _LAST_GROUPS[:] = [indices, indices.clone(), groups]
+    return groups
+
+
+def _slot_groups(indices: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
     if indices.numel() == 0:
         return []
     values = indices.tolist()
@@ -63,37 +77,105 @@ def _expand_groups(y: torch.Tensor, lora_b: torch.Tensor, groups: list[tuple[int
     return output
 
 
+#: Few rows over many slots (a decode step spread over adapters) go to one GEMM against every
+#: slot at once, then a gather (see :func:`_shrink_dense`), when ``rows * slots * width`` is at most
+#: this: the wasted products are cheaper than a GEMM pair per slot (each ~10 us of fixed cost).
+DENSE_MAX_ELEMENTS = 1 << 16
+#: ... and the rows use at least this many distinct slots (fewer: the grouped loop is as cheap).
+DENSE_MIN_GROUPS = 3
+
+
+def _dense(num_rows: int, weights: torch.Tensor, num_groups: int) -> bool:
+    return num_groups >= DENSE_MIN_GROUPS and num_rows * weights.shape[0] * weights.shape[1] <= DENSE_MAX_ELEMENTS
+
+
+def _shrink_dense(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x @ [every slot's A].T`` ``[T, S * R]``, then each row's own slot's ``R`` columns (zeros for -1)."""
+    slots, width, fan_in = lora_a.shape
+    acc = torch.promote_types(x.dtype, torch.float32)
+    every = x.to(acc) @ lora_a.reshape(slots * width, fan_in).to(acc).T
+    rows = x.shape[0]
+    own = every.view(rows, slots, width).gather(1, indices.clamp(min=0).view(rows, 1, 1).expand(rows, 1, width))
+    out = own.view(rows, width) * (indices >= 0).to(acc)[:, None]
+    return out * scale if scale != 1.0 else out
+
+
+def _expand_dense(y: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, output: torch.Tensor,
+                  slice_offset: int, add_inputs: bool) -> torch.Tensor:
+    """Each row's ``y`` placed in its slot's block of a ``[T, S * R]`` row, times every slot's B at once."""
+    slots, size, width = lora_b.shape
+    acc = torch.promote_types(y.dtype, torch.float32)
+    rows = y.shape[0]
+    valid = indices >= 0
+    wide = torch.zeros((rows, slots, width), dtype=acc, device=y.device)
+    wide[valid, indices[valid]] = y[valid].to(acc)
+    delta = wide.view(rows, slots * width) @ lora_b.permute(0, 2, 1).reshape(slots * width, size).to(acc)
+    target = output[:, slice_offset:slice_offset + size]
+    if add_inputs:
+        delta += target.to(acc)
+    if bool(valid.all()):
+        target.copy_(delta)
+    else:
+        target[valid] = delta[valid].to(output.dtype)
+    return output
+
+
 def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``x [T, in]``, ``lora_a [S, R, in]``, ``indices [T]`` -> ``[T, R]`` float32 (float64 for float64
     ``x``), zeros where -1."""
-    return _shrink_groups(x, lora_a, slot_groups(indices), scale)
+    groups = slot_groups(indices)
+    if _dense(x.shape[0], lora_a, len(groups)):
+        return _shrink_dense(x, lora_a, indices, scale)
+    return _shrink_groups(x, lora_a, groups, scale)
 
 
 def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, output: torch.Tensor,
                 slice_offset: int = 0, add_inputs: bool = True) -> torch.Tensor:
     """``output[t, off:off+N] (+)= y[t] @ lora_b[slot].T`` for rows with a slot; returns ``output``."""
-    return _expand_groups(y, lora_b, slot_groups(indices), output, slice_offset, add_inputs)
+    groups = slot_groups(indices)
+    if _dense(y.shape[0], lora_b, len(groups)):
+        return _expand_dense(y, lora_b, indices, output, slice_offset, add_inputs)
+    return _expand_groups(y, lora_b, groups, output, slice_offset, add_inputs)
 
 
-def _segment_groups(seg_starts: torch.Tensor, seg_lens: torch.Tensor,
-                    seg_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
-    return [(slot, slice(start, start + length))
-            for start, length, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist())
-            if slot >= 0 and length > 0]
+_LAST_SEGMENTS: list = [None, None]  # the last (starts, lens, slots) tensors (held, with copies) and their rows
+
+
+def _segment_rows(num_rows: int, seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor
+                  ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor | slice]]]:
+    """Each row's slot ``[T]`` (-1 outside every segment) and the rows of each slot (one GEMM
+    pair per slot, not per segment: a mixed step's decode rows of one adapter are many segments)."""
+    key = (seg_starts, seg_lens, seg_slots)
+    last = _LAST_SEGMENTS[0]
+    if last is not None and last[3] == num_rows and all(a is b and torch.equal(copy, b)
+                                                         for (a, copy), b in zip(last[:3], key)):
+        return _LAST_SEGMENTS[1]
+    values = [-1] * num_rows
+    for start, length, slot in zip(seg_starts.tolist(), seg_lens.tolist(), seg_slots.tolist()):
+        values[start:start + length] = [slot] * length
+    indices = torch.tensor(values, dtype=torch.int64, device=seg_starts.device)
+    answer = (indices, _slot_groups(indices))
+    _LAST_SEGMENTS[:] = [[*((t, t.clone()) for t in key), num_rows], answer]
+    return answer
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
                 seg_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """:func:`bgmv_shrink` with each row's slot given by segments (rows outside them: zeros)."""
-    return _shrink_groups(x, lora_a, _segment_groups(seg_starts, seg_lens, seg_slots), scale)
+    indices, groups = _segment_rows(x.shape[0], seg_starts, seg_lens, seg_slots)
+    if _dense(x.shape[0], lora_a, len(groups)):
+        return _shrink_dense(x, lora_a, indices, scale)
+    return _shrink_groups(x, lora_a, groups, scale)
 
 
 def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor, seg_lens: torch.Tensor,
                 seg_slots: torch.Tensor, output: torch.Tensor, slice_offset: int = 0,
                 add_inputs: bool = True) -> torch.Tensor:
     """:func:`bgmv_expand` with each row's slot given by segments."""
-    return _expand_groups(y, lora_b, _segment_groups(seg_starts, seg_lens, seg_slots), output, slice_offset,
-                          add_inputs)
+    indices, groups = _segment_rows(y.shape[0], seg_starts, seg_lens, seg_slots)
+    if _dense(y.shape[0], lora_b, len(groups)):
+        return _expand_dense(y, lora_b, indices, output, slice_offset, add_inputs)
+    return _expand_groups(y, lora_b, groups, output, slice_offset, add_inputs)
 
 
 #: The ``"torch"`` LoRA kernel (the CPU fast path).

@@ -19,47 +19,55 @@ ADAPTERS = {
 }
 
 
+_HF_BASE: dict = {}
+
+
+def _hf_base(base_path):
+    """transformers' model of ``base_path`` (loaded once; adapters are injected and removed again)."""
+    from transformers import AutoModelForCausalLM
+
+    key = str(base_path)
+    if key not in _HF_BASE:
+        _HF_BASE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, attn_implementation="eager",
+                                                             local_files_only=True).eval()
+    return _HF_BASE[key]
+
+
 def make_peft_adapter(base_path, out_dir, *, seed: int, scale: float = 0.5, **lora_kwargs) -> Path:
     """Save a PEFT LoRA adapter for ``base_path`` at ``out_dir``: peft's own random init
     (``init_lora_weights=False``: B non-zero), scaled so each adapter changes greedy outputs."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32, local_files_only=True)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs))
+    model = get_peft_model(_hf_base(base_path), LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.mul_(scale)
     model.save_pretrained(str(out_dir))
+    _HF_BASE[str(base_path)] = model.unload()  # the base model again, without the adapter's layers
     return Path(out_dir)
-
-
-_PEFT_CACHE: dict = {}
 
 
 @torch.no_grad()
 def peft_greedy(base_path, adapter_path, prompts, max_new_tokens: int) -> list[list[int]]:
     """transformers (+ peft when ``adapter_path``) greedy continuation of each prompt, one at a time."""
-    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
 
-    key = (str(base_path), str(adapter_path))
-    if key not in _PEFT_CACHE:
-        model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32,
-                                                     attn_implementation="eager", local_files_only=True)
+    model = _hf_base(base_path)
+    if adapter_path is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_path)).eval()
+    try:
+        outs = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+        return outs
+    finally:
         if adapter_path is not None:
-            from peft import PeftModel
-            model = PeftModel.from_pretrained(model, str(adapter_path))
-        _PEFT_CACHE[key] = model.eval()
-    model = _PEFT_CACHE[key]
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
+            _HF_BASE[str(base_path)] = model.unload()
 
 
 def random_prompts(lengths, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:

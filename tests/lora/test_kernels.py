@@ -2,6 +2,8 @@
 per-row float64 reference (servelab.reference.lora), on random shapes: rows without an
 adapter (-1), slice offsets into a wider output, segments of mixed lengths, add or overwrite."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +13,20 @@ from servelab.lora import available_lora_kernels, get_lora_kernel, register_lora
 from servelab.lora.kernels import LoRAMapping
 from servelab.reference import lora as ref
 
-KERNELS = ["torch", "triton"]
+KERNELS = ["torch", "torch-dense", "triton"]
+
+
+@contextlib.contextmanager
+def kernel_named(name):
+    """The kernel; "torch" runs its grouped GEMMs only, "torch-dense" its one-GEMM-over-all-slots form only."""
+    from servelab.lora import ops
+    saved = ops.DENSE_MIN_GROUPS, ops.DENSE_MAX_ELEMENTS
+    if name.startswith("torch"):
+        ops.DENSE_MIN_GROUPS, ops.DENSE_MAX_ELEMENTS = (1, 1 << 40) if name == "torch-dense" else (1 << 40, 0)
+    try:
+        yield get_lora_kernel(name.split("-")[0])
+    finally:
+        ops.DENSE_MIN_GROUPS, ops.DENSE_MAX_ELEMENTS = saved
 
 
 @st.composite
@@ -43,7 +58,11 @@ def _tensors(problem, dtype):
 @settings(max_examples=25)
 @given(problem=problems(), add=st.booleans(), scale=st.sampled_from([1.0, 0.5]))
 def test_kernels_match_reference(name, problem, add, scale):
-    kernel = get_lora_kernel(name)
+    with kernel_named(name) as kernel:
+        check_against_reference(name, kernel, problem, add, scale)
+
+
+def check_against_reference(name, kernel, problem, add, scale):
     dtype = torch.float32 if name == "triton" else torch.float64
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-9, rtol=1e-9)
     x, lora_a, lora_b, output, starts, lens, slots = _tensors(problem, dtype)
@@ -69,7 +88,11 @@ def test_kernels_match_reference(name, problem, add, scale):
 def test_expand_into_fused_slices_of_a_strided_view(name):
     """A fused layer's expand: y is a column block of the shrink output and lora_b a row block
     of the stacked buffer (both non-contiguous views), written at the slice's offset."""
-    kernel = get_lora_kernel(name)
+    with kernel_named(name) as kernel:
+        check_fused_slices(kernel)
+
+
+def check_fused_slices(kernel):
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(6, 3 * 4, generator=gen)
     stacked_b = torch.randn(2, 10, 4, generator=gen)
