@@ -20,9 +20,10 @@ The spec, per layer (``weight[l, e]``: logical expert ``e``'s recorded load):
 
 ``phy2log`` int64 ``[L, num_replicas]``, ``log2phy`` int64 ``[L, E, max_count]``
 (``-1`` where an expert has fewer replicas; replicas in increasing replica
-rank), ``logcnt`` int64 ``[L, E]``. Loads are compared in float32 with
-ties to the lower index, so the result is the one vLLM's default policy
-computes for the same input.
+rank), ``logcnt`` int64 ``[L, E]``. Loads are read as float32, a group's load
+summed in float32, per-replica loads and pack sums kept in float64, ties to
+the lower index: the numerics of vLLM's default policy, so the result is the
+one it computes for the same input (up to the order of equal items).
 """
 
 from __future__ import annotations
@@ -38,29 +39,27 @@ def balanced_packing(weights: list[float], num_packs: int) -> tuple[list[int], l
     heaviest item first (stable), into the lightest pack with room (ties: the lower pack).
     Returns (pack of each item, its position inside the pack)."""
     per_pack = len(weights) // num_packs
-    w32 = np.asarray(weights, dtype=np.float32)
-    order = sorted(range(len(weights)), key=lambda i: -float(w32[i]))
-    load = [np.float32(0.0)] * num_packs
+    order = sorted(range(len(weights)), key=lambda i: -weights[i])
+    load = [0.0] * num_packs
     count = [0] * num_packs
     pack, rank = [0] * len(weights), [0] * len(weights)
     for item in order:
         choice = min((p for p in range(num_packs) if count[p] < per_pack), key=lambda p: (load[p], p))
         pack[item], rank[item] = choice, count[choice]
-        load[choice] = np.float32(load[choice] + w32[item])
+        load[choice] += weights[item]
         count[choice] += 1
     return pack, rank
 
 
 def replicate(weights: list[float], num_slots: int) -> tuple[list[int], list[int], list[int]]:
     """``num_slots >= len(weights)`` replicas: one per expert, each further one to the expert with
-    the largest float32 load per replica (ties: the lower expert). Returns (expert of each slot,
+    the largest load per replica (ties: the lower expert). Returns (expert of each slot,
     replica rank of each slot, replica count of each expert)."""
-    w32 = np.asarray(weights, dtype=np.float32)
     slots = list(range(len(weights)))
     ranks = [0] * len(weights)
     counts = [1] * len(weights)
     for _ in range(num_slots - len(weights)):
-        per_replica = [np.float32(w32[e] / np.float32(counts[e])) for e in range(len(weights))]
+        per_replica = [weights[e] / counts[e] for e in range(len(weights))]
         best = max(range(len(weights)), key=lambda e: (per_replica[e], -e))
         slots.append(best)
         ranks.append(counts[best])
@@ -87,7 +86,7 @@ def _layer(weights: list[float], num_replicas: int, num_groups: int, num_nodes: 
     for node, experts in enumerate(node_experts):
         local = [weights[e] for e in experts]
         slot_expert, slot_rank, local_counts = replicate(local, slots_per_node)
-        slot_load = [float(np.float32(np.float32(local[e]) / np.float32(local_counts[e]))) for e in slot_expert]
+        slot_load = [local[e] / local_counts[e] for e in slot_expert]
         pack, pos = balanced_packing(slot_load, ranks_per_node)
         for slot, e in enumerate(slot_expert):
             physical = node * slots_per_node + pack[slot] * per_rank + pos[slot]
