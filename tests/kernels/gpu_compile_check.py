@@ -12,6 +12,7 @@ one JSON line per kernel: ``{"name", "ok", "shared", "error"}``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -121,6 +122,15 @@ def main() -> int:
         merge._merge_attn_states_kernel,
         dict(out_a_ptr="bf16", lse_a_ptr="fp32", out_b_ptr="bf16", lse_b_ptr="fp32", out_ptr="bf16",
              lse_ptr="fp32"), {}, dict(HEAD_SIZE=128, HEAD_PAD=128, BLOCK_H=16), target, num_warps=4))
+    lora = importlib.import_module("servelab.kernels.lora")
+    lora_pointers = dict(x_ptr="bf16", w_ptr="bf16", idx_ptr="i64", starts_ptr="i64", lens_ptr="i64",
+                         slots_ptr="i64", out_ptr="fp32")
+    attempt("lora bgmv shrink bf16 (a slot per decode row)", lambda: compile_kernel(
+        lora._bgmv_kernel, lora_pointers, dict(scale="fp32"), dict(ADD=False, BLOCK_N=64, BLOCK_K=64), target,
+        num_warps=4))
+    attempt("lora sgmv expand bf16 (prefill segments)", lambda: compile_kernel(
+        lora._sgmv_kernel, dict(lora_pointers, out_ptr="bf16"), dict(scale="fp32"),
+        dict(ADD=True, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32), target, num_warps=4))
     for result in results:
         print(json.dumps(result))
     return 0 if all(r["ok"] for r in results) else 1
