@@ -113,3 +113,20 @@ def test_a_pipeline_with_an_unknown_grammar_backend_is_refused_when_built(tmp_pa
 
     with pytest.raises(ValueError, match="grammar_backend='nope'"):
         Pipeline.from_pretrained(build_tiny_model(tmp_path / "tiny"), grammar_backend="nope")
+
+
+@pytest.mark.parametrize(("text", "accepted"), [
+    ('{"x": 1.5e308}', True), ('{"x": -2E-123}', True), ('{"x": 12}', True),
+    ('{"x": 1e1234}', False), ('{"x": 41111e-1210092402452222222222}', False),
+])
+def test_the_grammar_bounds_exponent_digits(text, accepted):
+    pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from servelab.samplers.structured import StructuredOutputsParams
+    from servelab.samplers.structured.xgrammar_backend import MAX_EXPONENT_DIGITS, json_schema_grammar
+
+    assert MAX_EXPONENT_DIGITS == 3
+    schema = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    grammar = json_schema_grammar(StructuredOutputsParams(json=schema))
+    assert _is_grammar_accept_string(grammar, text) is accepted

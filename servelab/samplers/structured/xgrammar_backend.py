@@ -8,7 +8,11 @@ one more fix: strings with ``minLength``/``maxLength`` are compiled to a
 character class that admits raw control characters (U+0000-U+001F), which
 strict JSON parsers refuse; :func:`exclude_control_characters` removes them
 from that class (the grammar's text round-trips exactly through xgrammar's
-EBNF parser).
+EBNF parser). And :func:`bound_exponent_digits` gives a number's exponent at
+most :data:`MAX_EXPONENT_DIGITS` digits: the converter admits any number of
+them, so a model could write ``41111e-1210092402452222222222``, which a float
+reads as 0.0 (validation judges it exactly anyway,
+:mod:`.exact_numbers`); three digits still reach past float range (``1e308``).
 """
 
 from __future__ import annotations
@@ -35,11 +39,19 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # same class without control characters (the one its unbounded strings use).
 _BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
 _BOUNDED_CHARS_FIXED = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+MAX_EXPONENT_DIGITS = 3
+# The exponent of xgrammar's JSON number rule as its EBNF prints it: [eE], the sign rule, digits{1, -1}.
+_EXPONENT = re.compile(r"(\[eE\] \w+ \w+)\{1, -1\}")
 
 
 def exclude_control_characters(ebnf: str) -> str:
     """The grammar text with raw control characters taken out of bounded strings' character class."""
     return ebnf.replace(_BOUNDED_CHARS, _BOUNDED_CHARS_FIXED)
+
+
+def bound_exponent_digits(ebnf: str) -> str:
+    """The grammar text with every number's exponent limited to :data:`MAX_EXPONENT_DIGITS` digits."""
+    return _EXPONENT.sub(rf"\1{{1, {MAX_EXPONENT_DIGITS}}}", ebnf)
 
 
 def json_schema_grammar(params: StructuredOutputsParams) -> Any:
@@ -48,13 +60,14 @@ def json_schema_grammar(params: StructuredOutputsParams) -> Any:
     schema = audit_json_schema(params.schema, strict=params.strict).schema
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=params.strict)
     text = str(grammar)
-    patched = exclude_control_characters(text)
+    patched = bound_exponent_digits(exclude_control_characters(text))
     if patched == text:
         return grammar
     try:
         return xgr.Grammar.from_ebnf(patched)
     except (RuntimeError, ValueError) as exc:  # the printed grammar did not parse back: keep the converter's
-        warnings.warn(f"structured outputs: bounded strings of this schema may admit raw control characters "
+        warnings.warn(f"structured outputs: bounded strings of this schema may admit raw control characters and "
+                      f"numbers an exponent of any length "
                       f"(the grammar fix did not apply: {str(exc).splitlines()[0] if str(exc) else exc!r})",
                       RuntimeWarning, stacklevel=2)
         return grammar
