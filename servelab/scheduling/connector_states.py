@@ -279,6 +279,8 @@ class ConnectorStates:
                     return None
                 self._after_park(req, num_hit, num_ext)
                 return 0
+            if self._release_loaded(req):
+                return self._admit_with_connector(step, req, budget)  # once: nothing is held any more
             if others_hold_kv:
                 return None
             num_ext = 0  # alone and the external part does not fit: compute it instead

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from servelab.cluster import PD, kv_bytes_per_token, simulate_cluster
-from servelab.scheduling.simulator import LengthDist, StepCostModel, TraceRequest, WorkloadSpec, simulate
+from servelab.scheduling.simulator import (
+    LengthDist,
+    StepCostModel,
+    TraceRequest,
+    WorkloadSpec,
+    generate_workload,
+    simulate,
+)
 
 WORKLOAD = WorkloadSpec(num_requests=150, rate=40, prompt_len=LengthDist("uniform", 16, 96),
                         output_len=LengthDist("uniform", 1, 24), num_prefix_groups=6, prefix_len=128, seed=3)
@@ -160,3 +169,25 @@ def test_cluster_summary_leads_with_the_failed_count():
     row = res.summary()
     assert next(iter(row)) == "failed" and row["failed"] == 1
     assert res.cluster.latency("e2e").failed == 1 and res.cluster.latency("e2e").count == 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(prefill=st.integers(1, 2), decode=st.integers(1, 2), num_blocks=st.integers(14, 40),
+       seed=st.integers(0, 10_000), bandwidth=st.sampled_from([1.0, 50.0, 400.0]))
+@example(prefill=2, decode=1, num_blocks=14, seed=22, bandwidth=50.0)  # a held load once blocked a parked head
+def test_pd_under_memory_pressure_ends_every_request_and_leaks_no_block(prefill, decode, num_blocks, seed, bandwidth):
+    spec = WorkloadSpec(num_requests=14, rate=200, prompt_len=LengthDist("uniform", 8, 120),
+                        output_len=LengthDist("uniform", 1, 60), num_prefix_groups=2, prefix_len=16, seed=seed)
+    res = simulate_cluster(spec, pd=PD(prefill, decode, kv_bandwidth_gbps=bandwidth), num_blocks=num_blocks,
+                           block_size=16)
+    assert sorted(m.request_id for m in res.cluster.requests) == sorted(f"req-{i}" for i in range(14))
+    wanted = {r.request_id: r.max_tokens for r in generate_workload(spec)}
+    for m in res.cluster.requests:
+        if m.finish_reason != "error":
+            assert m.num_output_tokens == wanted[m.request_id]
+    for rep in res.replicas:  # every block back in the pool once everything ended
+        assert rep.kv_usage[-1] == 0.0
+    decode_preempted = {m.request_id for r, role in zip(res.replicas, res.roles) if role == "decode"
+                        for m in r.requests if m.num_preemptions}
+    if not res.pd["released_loads"]:
+        assert set(res.decode_recomputed) <= decode_preempted

@@ -276,7 +276,10 @@ class SimLoop:
     def start_step(self, rep: Replica) -> None:
         """``rep`` is idle: schedule its next step (or apply a step that scheduled nothing)."""
         sched = rep.sched
-        for _ in range(2):  # twice at most: once more after landed loads re-queued their requests
+        # An empty step ends here unless it changed what the next one sees: landed loads re-queued
+        # their requests, or a request preempted itself to wait for memory a held load may give
+        # back (connector_states); no event would come to retry it, so try again (a few times).
+        for _ in range(3):
             if rep.backlog:
                 self._feed(rep)
             if not sched.requests:
@@ -289,7 +292,7 @@ class SimLoop:
                 return
             landed = self._take_landed(rep)
             self._apply(rep, out, ModelRunnerOutput([], [], kv_connector_output=landed))
-            if landed is None:
+            if landed is None and not getattr(out, "preempted_req_ids", None):
                 return
 
     def _end_step(self, rep: Replica) -> Replica:
