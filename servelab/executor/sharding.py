@@ -45,7 +45,10 @@ def _attention_blocks(model: nn.Module) -> list[Any]:
 
 
 def _mlp_blocks(model: nn.Module) -> list[Any]:
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    # Layers only: a MoE layer's stacked expert weights are parameters named alike (its experts stay
+    # whole; enable_expert_parallel splits them by expert, servelab.moe.parallel).
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and isinstance(getattr(m, "down_proj", None),
+                                                                                   nn.Module)]
 
 
 def check_parallel(parallel: Any, model_config: Any) -> None:
@@ -58,6 +61,10 @@ def check_parallel(parallel: Any, model_config: Any) -> None:
         qkv_shard_plan(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp, rank)
     even_split(cfg.intermediate_size, tp, 0, "intermediate_size")
     vocab_range(cfg.vocab_size, tp, tp - 1)
+    if getattr(parallel, "enable_expert_parallel", False) and tp > 1:
+        from servelab.moe.parallel import check_model_expert_parallel
+
+        check_model_expert_parallel(cfg, tp)
     if pp > cfg.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {cfg.num_hidden_layers} layers; "
                          f"valid: 1..{cfg.num_hidden_layers}")

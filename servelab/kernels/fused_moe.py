@@ -118,7 +118,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_tokens, hidden = hidden_states.shape
     top_k, inter = topk_ids.shape[1], w13.shape[1] // 2
     num_pairs = num_tokens * top_k
-    if num_pairs == 0:
+    if num_pairs == 0 or not bool((topk_ids >= 0).any()):
         return hidden_states.new_zeros(num_tokens, hidden)
     x, w13c, w2c = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
     sorted_ids, block_expert, padded = moe_align_block_size(topk_ids, BLOCK_M, w13.shape[0])
@@ -130,7 +130,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         x, w13c, act, sorted_ids, block_expert, num_pairs, hidden, inter, x.stride(0), w13c.stride(0),
         w13c.stride(1), act.stride(0), TOP_K=top_k, ACTIVATION=0 if activation == "silu" else 1,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee)
-    pairs_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    pairs_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # -1 pairs: no block
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = _block(hidden, 64), _block(inter, 64)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](

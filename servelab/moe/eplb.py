@@ -212,6 +212,8 @@ def enable_eplb(model: torch.nn.Module, *, num_redundant_experts: int = 0, num_r
         raise ValueError(f"{type(model).__name__} has no MoE layer to balance")
     if getattr(model, "eplb_state", None) is not None:
         raise ValueError("EPLB is already enabled on this model (model.eplb_state)")
+    if blocks[0][1].experts.ep_range is not None:
+        raise ValueError("EPLB on an expert-parallel model is not supported (slots would move across ranks)")
     experts = blocks[0][1].experts.num_experts
     if isinstance(num_redundant_experts, bool) or not isinstance(num_redundant_experts, int) or num_redundant_experts < 0:
         raise ValueError(f"num_redundant_experts={num_redundant_experts!r} must be an int >= 0")

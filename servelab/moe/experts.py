@@ -7,7 +7,9 @@ An experts kernel is any callable with :class:`ExpertsKernel`'s signature::
 
 computing ``sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` with
 ``e = topk_ids[t, j]`` (``w13`` rows ``[:I]`` gate, ``[I:]`` up: the layout of
-transformers' ``experts.gate_up_proj``). Registered names
+transformers' ``experts.gate_up_proj``). An id of ``-1`` means "no expert here"
+(the pair adds nothing): expert parallelism marks the pairs of experts that
+live on other ranks so. Registered names
 (:func:`register_experts_kernel`, :func:`get_experts_kernel`, :func:`available_experts_kernels`):
 
 - ``"cpu"``: :func:`fused_experts_cpu` — the (token, slot) pairs gathered once in
@@ -66,16 +68,19 @@ def check_experts_args(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch
         raise ValueError(f"activation={activation!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
     if topk_ids.numel():
         low, high = int(topk_ids.min()), int(topk_ids.max())
-        if low < 0 or high >= experts:
-            raise ValueError(f"topk_ids holds expert {low if low < 0 else high}, outside [0, {experts})")
+        if low < -1 or high >= experts:
+            raise ValueError(f"topk_ids holds expert {low if low < -1 else high}, outside [0, {experts}) "
+                             "(or -1: no expert)")
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat (token, slot) pairs ``t * k + j`` of ``topk_ids`` ``[T, k]`` in expert order (stable: a
-    pair's order inside its expert is increasing), and int64 ``[num_experts]`` pairs per expert."""
+    pair's order inside its expert is increasing; pairs of id ``-1`` last), and int64
+    ``[num_experts]`` pairs per expert (the ``-1`` pairs not counted)."""
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts)
+    return order, torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
@@ -88,6 +93,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     order, counts = sort_by_expert(topk_ids, num_experts)
+    order = order[:int(counts.sum())]  # the -1 pairs (sorted last) take no slot
     device = topk_ids.device
     padded_counts = (counts + block_size - 1) // block_size * block_size
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
@@ -113,8 +119,8 @@ def fused_experts_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.
     check_experts_args(hidden_states, w13, w2, topk_weights, topk_ids, activation)
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
-    x = hidden_states[order // top_k]  # [T*k, H], expert-major
-    out = torch.empty_like(x)
+    x = hidden_states[order // top_k]  # [T*k, H], expert-major (the -1 pairs last)
+    out = torch.zeros_like(x)  # the -1 pairs' rows stay zero
     inter, act = w13.shape[1] // 2, _activation(activation)
     start = 0
     for expert, count in enumerate(counts.tolist()):

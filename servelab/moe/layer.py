@@ -20,9 +20,16 @@ to replica ``p mod count`` of its expert: a deterministic spread), and the
 number of pairs per physical slot is added into ``experts.load`` (int64
 ``[P]``) when it is not ``None``. Any replica computes the same thing, so the
 outputs do not depend on the placement.
+
+Expert parallelism (:mod:`servelab.moe.parallel`): ``experts.ep_range`` =
+``(first, count)`` of the experts this rank holds; pairs routed elsewhere
+become ``-1`` (skipped by the kernels) and ``experts.ep_group.all_reduce``
+sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +67,8 @@ class MoEExperts(nn.Module):
         self.logical_to_physical: torch.Tensor | None = None
         self.replica_count: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
+        self.ep_group: Any = None  # expert parallelism (servelab.moe.parallel): the group and
+        self.ep_range: tuple[int, int] | None = None  # (first expert, count) held by this rank
 
     def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Logical ids ``[T, k]`` -> physical slots ``[T, k]`` (identity without a placement)."""
@@ -74,11 +83,17 @@ class MoEExperts(nn.Module):
         ids = self.physical_ids(topk_ids)
         if self.load is not None:
             self.load += torch.bincount(ids.reshape(-1), minlength=self.load.numel()).to(self.load.device)
+        if self.ep_range is not None:  # this rank's experts only; the others' pairs add nothing here
+            start, count = self.ep_range
+            ids = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
         name = self.kernel
         if name == "auto":
             name = default_experts_kernel(hidden_states.device)
         kernel = get_experts_kernel(name)  # type: ignore[arg-type]
-        return kernel(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, ids, activation=self.activation)
+        out = kernel(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, ids, activation=self.activation)
+        if self.ep_group is not None:  # combine: every rank holds every token, one all-reduce of [T, H]
+            out = self.ep_group.all_reduce(out)
+        return out
 
 
 class SharedExpertMLP(nn.Module):

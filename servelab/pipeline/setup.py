@@ -72,6 +72,8 @@ def _quantization_active(config: PipelineConfig) -> bool:
 MODEL_STEPS: tuple[ModelStep, ...] = (
     ModelStep("tensor_parallel_size", "servelab.executor.sharding:shard_model",
               lambda c: c.parallel.tensor_parallel_size > 1),
+    ModelStep("enable_expert_parallel", "servelab.moe.parallel:shard_experts",
+              lambda c: c.parallel.enable_expert_parallel and c.parallel.tensor_parallel_size > 1),
     ModelStep("quantization", "servelab.quantization.apply:quantize_model", _quantization_active),
     ModelStep("enable_lora", "servelab.lora.apply:attach_lora", lambda c: c.lora.enable_lora),
 )

@@ -76,7 +76,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int,
     """Sort the flat (token, slot) pairs of ``topk_ids`` ``[T, k]`` by expert, padded per expert.
 
     Returns:
-        sorted_ids: int64 ``[padded]``: flat pair indices ``t * k + j``, expert 0's
+        sorted_ids: int64 ``[padded]``: flat pair indices ``t * k + j`` (pairs of id ``-1`` left out), expert 0's
             first (in increasing pair order), each expert's run padded with the
             sentinel ``T * k`` to a multiple of ``block_size``; experts with no
             pair get no block.
@@ -107,7 +107,7 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         w13: ``[E, 2 * I, H]``: rows ``[:I]`` the gate projection, ``[I:]`` the up projection.
         w2: ``[E, H, I]``: the down projection.
         topk_weights: float ``[T, k]`` routing weights.
-        topk_ids: int ``[T, k]`` expert of each slot (``0 <= id < E``).
+        topk_ids: int ``[T, k]`` expert of each slot (``0 <= id < E``; ``-1``: no expert, adds nothing).
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
 
     Returns:
