@@ -9,8 +9,8 @@ setting (rows ``component=kv_quant_accuracy``):
 - ``ppl`` and ``ppl_ratio`` (perplexity over ``"auto"``'s);
 - ``kl_mean``: mean KL(p_auto || p_quant) of the next-token distributions;
 - ``top1_agreement``: share of positions whose argmax equals ``"auto"``'s;
-- with ``--greedy``: ``greedy_equal`` out of 16 demo prompts (32 greedy tokens through the
-  Pipeline, ``"sdpa"``), and for each differing prompt the ``"auto"`` model's top-2 logit margin
+- with ``--greedy`` (the ``"token_head"`` settings and calibrated int8 ``"head"``): ``greedy_equal``
+  out of 16 demo prompts (32 greedy tokens through the Pipeline, ``"sdpa"``), and for each differing prompt the ``"auto"`` model's top-2 logit margin
   at the first differing token (``near_tie_margins``: a near-tie when < 0.05).
 
 Static scales (``"tensor"``, ``"head"``) are measured twice: at 1.0 (vLLM's default) and
@@ -151,7 +151,7 @@ def main() -> int:
             rows.append(make_row("kv_quant_accuracy", dtype, metric, "", value, params=params))
         line = (f"{dtype:9s} {scale:10s} {params['scales']:10s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} "
                 f"kl={m['kl_mean']:.2e} top1={m['top1_agreement']:.4f}")
-        if args.greedy and (scale == "token_head" or calibrated):
+        if args.greedy and (scale == "token_head" or (calibrated and scale == "head" and dtype == "int8")):
             outs, equal = greedy_agreement(path, dtype, scale, static, greedy_ref, prompts)
             margins = near_tie_margins(model, prompts, greedy_ref, outs)
             rows.append(make_row("kv_quant_accuracy", dtype, "greedy_equal", "prompts", equal,

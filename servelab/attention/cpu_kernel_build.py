@@ -3,8 +3,9 @@
 (``csrc/rms_norm.c``, :mod:`servelab.models.cpu_norm`), RoPE (``csrc/rope.c``,
 :mod:`servelab.models.cpu_rope`), the few-row GEMM (``csrc/panel_gemm.c``,
 :mod:`servelab.models.cpu_gemm`) and a decoder layer's glue on a decode step
-(``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`), and greedy decoding's
-argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`).
+(``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`), greedy decoding's
+argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`), and decode attention straight
+over quantized KV pages (``csrc/decode_attention_quant.c``, :mod:`servelab.attention.cpu_decode_quant`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -55,7 +56,7 @@ from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
-                                               "decode_glue.c", "argmax.c"))
+                                               "decode_glue.c", "argmax.c", "decode_attention_quant.c"))
 ABI_VERSION = 13
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -234,6 +235,20 @@ x[45] = float("nan")  # the third row holds a NaN: not finite
 out = (ctypes.c_int64 * 3)()
 lib.servelab_argmax_rows(x, 20, 3, 20, out, 2)
 assert list(out) == [6, 0, -1], list(out)
+lib.servelab_paged_decode_quant.argtypes = [P, I, P, P, P, P, P, P, P, I, P, I, I, I, I, I, I, I, F, P, I, P, I]
+lib.servelab_paged_decode_quant.restype = ctypes.c_int
+d, bs = 16, 4  # one row, one KV head, group 2, 6 positions in blocks 1 and 2 of int8 pages of ones
+pages = (ctypes.c_int8 * (3 * bs * d))(*[1] * (3 * bs * d))
+scales = (ctypes.c_float * (3 * bs))(*[0.5] * (3 * bs))
+strides = (ctypes.c_int64 * 6)(bs * d, d, d, bs * d, d, d)
+scale_strides = (ctypes.c_int64 * 6)(bs, 1, 1, bs, 1, 1)
+q = (ctypes.c_float * (2 * d))(*[1.0] * (2 * d))
+s, out = (ctypes.c_float * (2 * 8))(), (ctypes.c_float * (2 * d))()
+for fmt in (1, 2, 3):  # 0x01 as float8 is a tiny subnormal: only int8's value is checked
+    rc = lib.servelab_paged_decode_quant(q, 2 * d, pages, pages, strides, scales, scales, scale_strides,
+                                         (ctypes.c_int32 * 2)(1, 2), 2, (ctypes.c_int32 * 1)(6), 1, 1, 2, d, bs, 0,
+                                         fmt, 1.0, s, 8, out, 2)
+    assert rc == 0 and (fmt != 1 or abs(out[0] - 0.5) < 1e-6), (rc, out[0])
 print("ok")
 """
 
@@ -285,6 +300,9 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_argmax_rows.argtypes = [p, i, i, i, p, i]
     for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down", "servelab_argmax_rows"):
         getattr(lib, name).restype = None
+    lib.servelab_paged_decode_quant.argtypes = [p, i, p, p, p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, p, i,
+                                                p, i]
+    lib.servelab_paged_decode_quant.restype = ctypes.c_int
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

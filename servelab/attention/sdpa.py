@@ -63,6 +63,7 @@ from servelab._internal.attention_checks import check_paged_attention_args
 from servelab._internal.tree_mask import TreeMask, check_tree_mask, tree_visible
 from servelab.attention.buckets import (  # noqa: F401 - MAX_BUCKET, bucket_sequences re-exported here
     BUCKET_OVERHEAD, DECODE_BUCKET_OVERHEAD, MAX_BUCKET, bucket_sequences)
+from servelab.attention import cpu_decode_quant
 from servelab.attention.decode_kv import DecodeKV, on_device
 from servelab.attention.decode_plan import plan_decode_kv, to_host
 from servelab.blocks.kv_quant import is_static_scale
@@ -374,6 +375,13 @@ def paged_attention(
                     tree_mask is not None)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     if k_scale is not None and v_scale is not None:
+        if (query.shape[0] == plan.num_seqs and tree_mask is None
+                and cpu_decode_quant.usable(query, key_cache, value_cache)
+                and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all())):
+            # a pure decode step: the C kernel reads the quantized pages themselves
+            decoded = cpu_decode_quant.paged_decode(query, key_cache, value_cache, k_scale, v_scale, block_table,
+                                                    seq_lens, scale, sliding_window)
+            return decoded if out is None else out.copy_(decoded)
         result = out if out is not None else torch.empty_like(query)
         return _attend_groups(plan.gather_groups(), query, key_cache, value_cache, scale, compute, result,
                               (k_scale, v_scale))

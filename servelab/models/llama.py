@@ -260,7 +260,8 @@ class LlamaAttention(nn.Module):
                attention: _StepAttention) -> torch.Tensor:
         """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache``, then attend ``q``
         ``[T, num_heads, head_dim]`` over it -> ``[T, num_heads, head_dim]`` (also the glued layer's)."""
-        key_cache, value_cache, *kv_scales = kv_cache  # + (k_scale, v_scale) for a quantized cache
+        kv_scales: list[torch.Tensor]  # (k_scale, v_scale) for a quantized cache, else empty
+        key_cache, value_cache, *kv_scales = kv_cache
         if not kv_scales:
             out = attention.carried_attend(k, v, q, key_cache, value_cache, scale=self.scale,
                                            sliding_window=self.sliding_window)

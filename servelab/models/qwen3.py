@@ -35,7 +35,8 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        key_cache, value_cache, *kv_scales = kv_cache  # + (k_scale, v_scale) for a quantized cache
+        kv_scales: list[torch.Tensor]  # (k_scale, v_scale) for a quantized cache, else empty
+        key_cache, value_cache, *kv_scales = kv_cache
         attention.reshape_and_cache(k, v.reshape(n, self.num_kv_heads, self.head_dim), key_cache, value_cache,
                                     *kv_scales)
         out = attention.paged_attention(q, key_cache, value_cache, *kv_scales, scale=self.scale,

@@ -51,7 +51,7 @@ from servelab.blocks import (
 )
 from servelab.blocks.kv_quant import kv_cache_storage
 from servelab.blocks.layout import with_static_scales
-from servelab.blocks.specs import request_blocks_cap
+from servelab.blocks.specs import AttentionSpec, request_blocks_cap
 from servelab.models import GroupedAttentionMetadata
 from servelab.models.metadata import AttentionMetadata
 from servelab.pipeline.runner import CachedRequestState, ModelRunner, null_released_blocks
@@ -198,7 +198,7 @@ def allocate_group_kv_caches(groups: Sequence[KVCacheGroup], num_layers: int, nu
     if any(v is None for v in views):
         raise ValueError(f"layers {[i for i, v in enumerate(views) if v is None]} are in no KV-cache group")
     static = None
-    if buffers.static_scales is not None:  # static K/V scales are per model layer, not per shared tensor
+    if buffers.static_scales is not None and isinstance(first, AttentionSpec):  # per model layer, not per tensor
         views, static = with_static_scales([v[:2] for v in views], first, device)
     return KVCacheBuffers(buffers.buffer, views, buffers.layout, buffers.kernel_block_size, static)
 

@@ -27,7 +27,8 @@ def test_triton_quantized_pages_match_float64_oracle(case, window, softcap, spli
     kwargs = {k: v for k, v in (("sliding_window", window), ("softcap", softcap)) if v is not None}
     want = oracle(case, **kwargs)
     got = paged_attention(*case.args(), k_scale=case.k_scale, v_scale=case.v_scale, num_splits=splits, **kwargs)
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    tolerance = 5e-5 * max(1.0, float(want.abs().max()))  # float32 tiles: ulps of the largest value
+    torch.testing.assert_close(got.double(), want, rtol=5e-5, atol=tolerance)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2"])
