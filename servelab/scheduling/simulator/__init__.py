@@ -12,6 +12,9 @@ take seconds on one CPU core.
   ``calibrate(pipe)`` fits it to a real ``Pipeline``'s measured steps;
   :mod:`.hardware`: ``StepCostModel.for_hardware(hardware, model)``, a roofline
   on a shipped table of GPUs and this CPU (``hardware.json``, sourced).
+- :mod:`.loop`: the one simulation loop (``SimLoop``) that ``simulate``,
+  ``servelab.cluster.simulate_cluster`` and the vLLM engine share, its request
+  factory and its one cost call (``step_timer``).
 - :mod:`.engine`: ``simulate`` and ``compare_policies`` (``engine="servelab"``
   or ``engine="vllm"``: the same trace through vLLM's real scheduler, see
   :mod:`.vllm_engine`; vLLM is imported only then).
@@ -40,6 +43,7 @@ from servelab.scheduling.simulator.hardware import (
     roofline_cost_model,
 )
 from servelab.scheduling.simulator.engine import ENGINES, VirtualClock, compare_policies, simulate
+from servelab.scheduling.simulator.loop import SimLoop, step_timer
 from servelab.scheduling.simulator.metrics import ClientStats, LatencySummary, SimulationResult
 from servelab.scheduling.simulator.report import format_client_table, format_table, plot_results, write_csv
 from servelab.scheduling.simulator.traces import SHIPPED_TRACES, BlockTokens, Trace, load_trace
@@ -47,7 +51,9 @@ from servelab.scheduling.simulator.workload import (
     LengthDist,
     TraceRequest,
     WorkloadSpec,
+    arrival_stream,
     generate_workload,
+    iter_workload,
     load_trace_csv,
     validate_trace,
 )
@@ -56,5 +62,6 @@ __all__ = [
     "ENGINES", "FEATURES", "MODEL_PRESETS", "Hardware", "ModelShape", "RooflineCostModel", "calibrate",
     "hardware_table", "measure_steps", "roofline_cost_model", "step_features", "SHIPPED_TRACES", "BlockTokens", "ClientStats", "LatencySummary", "LengthDist", "SimulationResult",
     "StepCostModel", "Trace", "TraceRequest", "VirtualClock", "WorkloadSpec", "compare_policies", "format_client_table", "format_table",
+    "SimLoop", "arrival_stream", "iter_workload", "step_timer",
     "generate_workload", "load_trace", "load_trace_csv", "plot_results", "simulate", "validate_trace", "write_csv",
 ]
