@@ -192,7 +192,8 @@ def rows_of(args, configs, times, loads, lora_pipes) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", help="tiny, smollm2, or a checkpoint folder")
-    parser.add_argument("--adapters", type=comma_separated(int), default=[1, 2, 4, 8, 16], help="distinct adapter counts")
+    parser.add_argument("--adapters", type=comma_separated(int), default=[1, 2, 4, 8, 16],
+                        help="distinct adapter counts")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)

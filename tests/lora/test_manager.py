@@ -102,7 +102,8 @@ def test_one_name_one_adapter(manager):
 
 def test_lora_request_fields_are_checked():
     for bad in [dict(lora_name="", lora_int_id=1, lora_path="/p"), dict(lora_name="x", lora_int_id=0, lora_path="/p"),
-                dict(lora_name="x", lora_int_id=True, lora_path="/p"), dict(lora_name="x", lora_int_id=1, lora_path="")]:
+                dict(lora_name="x", lora_int_id=True, lora_path="/p"),
+                dict(lora_name="x", lora_int_id=1, lora_path="")]:
         with pytest.raises(ValueError, match="LoRARequest"):
             LoRARequest(**bad)
 

@@ -20,7 +20,7 @@ ADAPTERS = {
     "poem": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), 22),
     "legal": (dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "gate_proj", "up_proj"]), 23),
 }
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
