@@ -10,7 +10,8 @@ Three parts (``--part``), each appending rows to ``bench/results/results.csv``:
 - ``pd``: the same trace slice on 4 replicas, colocated (prefix affinity)
   vs every p:d split (1:3, 2:2, 3:1), KV bandwidth 1..400 Gb/s: TTFT and TPOT
   p50/p90, e2e p90, throughput, failed, and the decode side's counters
-  (transfers that waited for memory, transferred / cached / recomputed tokens;
+  (transfers, those a decode scheduler passed over, the mean hand-off to
+  transfer start, transferred / cached / recomputed tokens;
   decode replicas load the KV through their scheduler's connector path)
   (component ``cluster_pd``) and a figure ``bench/results/cluster_pd.png``.
 - ``speed``: wall time of ``simulate_cluster`` for 100,000 generated requests
@@ -102,7 +103,8 @@ def pd(num_requests: int, jobs: int) -> list[dict]:
     rows = []
     for res in results:
         split = f"{res['pd_prefill']}:{res['pd_decode']}" if "pd_prefill" in res else "colocated"
-        p = {**params, "split": split, "kv_bandwidth_gbps": res.get("pd_bandwidth_gbps")}
+        p = {**params, "split": split, "kv_bandwidth_gbps": res.get("pd_bandwidth_gbps"),
+             "loadavg_1m": round(os.getloadavg()[0], 2)}
         print(f"{split:>9} bw={res.get('pd_bandwidth_gbps', '-')!s:>5}: failed {res['failed']}  TTFT p90 "
               f"{res['ttft_p90']:.2f}s TPOT p90 {res['tpot_p90'] * 1e3:.1f}ms  kv waits {res.get('pd_kv_waits', 0)}  "
               f"decode recomputed {res.get('pd_decode_recomputed_tokens', 0)} tokens in "
@@ -111,10 +113,11 @@ def pd(num_requests: int, jobs: int) -> list[dict]:
             rows.append(make_row("cluster_pd", split, metric, "s", res[metric], params=p))
         rows.append(make_row("cluster_pd", split, "failed", "count", res["failed"], params=p))
         rows.append(make_row("cluster_pd", split, "throughput_tok_s", "tok/s", res["throughput_tok_s"], params=p))
-        for key in ("kv_waits", "transferred_tokens", "decode_cached_tokens", "decode_recomputed_tokens",
-                    "decode_recomputed_requests"):
+        for key in ("transfers", "kv_waits", "transferred_tokens", "decode_cached_tokens",
+                    "decode_recomputed_tokens", "decode_recomputed_requests", "kv_wait_s_mean"):
             if f"pd_{key}" in res:
-                rows.append(make_row("cluster_pd", split, key, "count", res[f"pd_{key}"], params=p))
+                rows.append(make_row("cluster_pd", split, key, "s" if key.endswith("_s_mean") else "count",
+                                     res[f"pd_{key}"], params=p))
     plot_pd(results, FIGURE)
     print(f"figure: {FIGURE}")
     return rows

@@ -25,8 +25,10 @@ class ClusterResult:
         routed: requests sent to each replica by the router.
         roles: ``"both"``, or ``"prefill"`` / ``"decode"`` with P/D.
         pd: the P/D option as a dict (empty when colocated), and what the
-            decode side did: ``kv_waits`` (transfers that waited for decode
-            memory), ``transferred_tokens``, ``decode_cached_tokens`` (prompt
+            decode side did: ``transfers``, ``kv_waits`` (transfers a decode
+            replica's scheduler passed over at least once: no memory, behind
+            its queue or out of budget), ``kv_wait_s_mean`` (hand-off to
+            transfer start), ``transferred_tokens``, ``decode_cached_tokens`` (prompt
             tokens the decode halves were admitted with: transferred or local
             hits), ``decode_recomputed_tokens`` / ``decode_recomputed_requests``
             (tokens scheduled on a decode replica past one per output token:

@@ -156,9 +156,12 @@ class _Cluster:
         self.trace_of: dict[str, TraceRequest] = {}
         self.prefill_part: dict[str, RequestMetrics] = {}
         self.source_of: dict[str, Replica] = {}  # the prefill replica whose link carries the KV
-        self.handed_at: dict[str, float] = {}  # when the decode half reached its decode replica
+        # When each decode half reached its decode replica, and that replica's step count then.
+        self.handed_at: dict[str, tuple[float, int]] = {}
         self.decode_scheduled: dict[str, int] = {}  # tokens each decode half was scheduled on its replica
-        self.num_kv_waits = 0  # transfers that could not start when their request reached the decode replica
+        self.num_kv_waits = 0  # transfers passed over by a decode replica's schedule() (memory, queue, budget)
+        self.kv_wait_s = 0.0  # hand-off to transfer start, summed
+        self.num_transfers = 0
         self.transferred_tokens = 0
         self.decode_cached_tokens = 0
         self.decode_recomputed_tokens = 0
@@ -214,7 +217,7 @@ class _Cluster:
                 self.decode_recomputed_requests += 1
                 self.decode_recomputed[rid] = recomputed
             self.source_of.pop(rid, None)
-            self.handed_at.pop(rid, None)
+            self.handed_at.pop(rid, None)  # a prompt found whole in the local cache moved nothing
             self.done.append(_join(self.prefill_part.pop(rid), m))
         else:
             self.done.append(m)
@@ -235,7 +238,7 @@ class _Cluster:
         dest.outstanding += tokens
         dest.tokens_of[rid] = tokens
         self.source_of[rid] = rep
-        self.handed_at[rid] = self.clock.now
+        self.handed_at[rid] = (self.clock.now, dest.num_steps)
         connector = dest.sched.kv_connector
         connector.expect(rid, m.num_prompt_tokens)
         if not self.loop.add_request(dest, dest.build.decode_half(trace)):
@@ -253,11 +256,16 @@ class _Cluster:
             dest = self.reps[index]
             src = self.source_of[request_id]
             now = self.clock.now
-            if now > self.handed_at.get(request_id, now):
+            handed, steps_then = self.handed_at.pop(request_id, (now, dest.num_steps))
+            # The first schedule() after the hand-off comes at most one step end later; a transfer
+            # that starts after more was passed over (no memory, behind the queue, no budget).
+            if dest.num_steps - steps_then > 1:
                 self.num_kv_waits += 1
+            self.kv_wait_s += now - handed
             begin = max(now, src.link_free)
             src.link_free = begin + self.pd.transfer_s(num_tokens, self.bytes_per_token)  # type: ignore[union-attr]
             self.transferred_tokens += num_tokens
+            self.num_transfers += 1
             self.loop.at(src.link_free, _landed, (dest, request_id))
 
         return start
@@ -317,6 +325,7 @@ def _result(cluster: _Cluster, router: str | Router, router_obj: Router, policy:
     pd_fields: dict[str, Any] = {} if pd is None else {
         "prefill": pd.prefill_replicas, "decode": pd.decode_replicas, "bandwidth_gbps": pd.kv_bandwidth_gbps,
         "latency_s": pd.kv_latency_s, "bytes_per_token": cluster.bytes_per_token, "kv_waits": cluster.num_kv_waits,
+        "kv_wait_s_mean": cluster.kv_wait_s / max(cluster.num_transfers, 1), "transfers": cluster.num_transfers,
         "transferred_tokens": cluster.transferred_tokens, "decode_cached_tokens": cluster.decode_cached_tokens,
         "decode_recomputed_tokens": cluster.decode_recomputed_tokens,
         "decode_recomputed_requests": cluster.decode_recomputed_requests,
