@@ -29,6 +29,7 @@ Usage::
     python bench/cluster_routing.py --part routing --num-requests 2000 --jobs 2
     python bench/cluster_routing.py --part routing --num-requests 2000 --num-blocks 32768  # 16x cache
     python bench/cluster_routing.py --part pd --num-requests 600 --jobs 2
+    python bench/cluster_routing.py --part pd --num-requests 600 --bandwidths 100     # one bandwidth, no figure
     python bench/cluster_routing.py --part speed
 """
 
@@ -92,11 +93,11 @@ def routing(num_requests: int, jobs: int, num_blocks: int) -> list[dict]:
     return rows
 
 
-def pd(num_requests: int, jobs: int) -> list[dict]:
+def pd(num_requests: int, jobs: int, bandwidths: tuple[float, ...] = BANDWIDTHS) -> list[dict]:
     points = [trace_point(num_requests, replicas=4, router="prefix_affinity")]
     points += [trace_point(num_requests, router="prefix_affinity", prefill_replicas=p, decode_replicas=d,
                            kv_bandwidth_gbps=float(bw), kv_latency_s=1e-3)
-               for p, d in SPLITS for bw in BANDWIDTHS]
+               for p, d in SPLITS for bw in bandwidths]
     results = run_sweep(points, jobs=jobs)
     params = {"trace": "mooncake_conversation", "num_requests": num_requests, "replicas": 4, **REPLICA,
               "time_scale": TIME_SCALE}
@@ -118,8 +119,9 @@ def pd(num_requests: int, jobs: int) -> list[dict]:
             if f"pd_{key}" in res:
                 rows.append(make_row("cluster_pd", split, key, "s" if key.endswith("_s_mean") else "count",
                                      res[f"pd_{key}"], params=p))
-    plot_pd(results, FIGURE)
-    print(f"figure: {FIGURE}")
+    if len(bandwidths) > 1:  # the figure needs the bandwidth axis
+        plot_pd(results, FIGURE)
+        print(f"figure: {FIGURE}")
     return rows
 
 
@@ -176,12 +178,18 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="routing part: KV blocks (of 64 tokens) per replica (default 2048: 131k tokens)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--bandwidths", default=",".join(map(str, BANDWIDTHS)),
+                        help="pd part: KV link bandwidths in Gb/s, comma-separated (the figure needs two or more)")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     if args.part == "routing":
         rows = routing(args.num_requests or 2000, args.jobs, args.num_blocks or REPLICA["num_blocks"])
     elif args.part == "pd":
-        rows = pd(args.num_requests or 600, args.jobs)
+        try:
+            bandwidths = tuple(float(b) for b in args.bandwidths.split(","))
+        except ValueError:
+            parser.error(f"--bandwidths {args.bandwidths!r}: valid: numbers in Gb/s, comma-separated")
+        rows = pd(args.num_requests or 600, args.jobs, bandwidths)
     else:
         rows = speed(args.num_requests or 100_000, args.replicas)
     if not args.no_record:
