@@ -408,3 +408,31 @@ class NativeGGUF:
     def unused(self) -> list[str]:
         """Tensors of the file nothing asked for (after loading: a mismatch to report)."""
         return sorted(set(self.tensors) - self.used)
+
+
+_shared_depth = [0]
+
+
+def shared_reader_active() -> bool:
+    """Whether a :func:`shared_gguf_reader` block is open."""
+    return _shared_depth[0] > 0
+
+
+@contextmanager
+def shared_gguf_reader() -> Iterator[None]:
+    """Within the block, every parse of the same GGUF file is done once (:func:`_one_reader`),
+    nested blocks included: header check, config, native tensors and tokenizer of one load share
+    one reader (parsing Gemma 3's 262,144-token vocabulary takes tens of seconds per reader)."""
+    if _shared_depth[0]:
+        _shared_depth[0] += 1
+        try:
+            yield
+        finally:
+            _shared_depth[0] -= 1
+        return
+    with _one_reader():
+        _shared_depth[0] = 1
+        try:
+            yield
+        finally:
+            _shared_depth[0] = 0

@@ -33,7 +33,8 @@ import torch
 from servelab.blocks.layout import KVCacheBuffers, allocate_kv_cache
 from servelab.blocks.specs import FullAttentionSpec, SlidingWindowSpec
 from servelab.models.config import ModelConfig, read_generation_config
-from servelab.models.gguf import NativeGGUF, find_gguf_file, gguf_tensors, load_gguf_config
+from servelab.models.gguf import (NativeGGUF, find_gguf_file, gguf_tensors, load_gguf_config, shared_gguf_reader,
+                                  shared_reader_active)
 from servelab.models.linear import set_weight_packing
 from servelab.models.llama import LlamaForCausalLM
 from servelab.models.registry import model_class_for
@@ -253,6 +254,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     if not isinstance(pack_weights, bool):
         raise TypeError(f"pack_weights must be a bool, got {type(pack_weights).__name__} {pack_weights!r}")
     gguf_file = find_gguf_file(path)
+    if gguf_file is not None and not shared_reader_active():  # one parse of the file for the whole load
+        with shared_gguf_reader():
+            return load_model(path, dtype, device, attention, pack_weights=pack_weights, quantization=quantization)
     config = load_config(path)
     device = torch.device(device)
     dtype = _resolve_model_dtype(dtype) if dtype is not None else _default_dtype(config, device)

@@ -52,6 +52,7 @@ from servelab.config import PipelineConfig
 from servelab.connectors import get_kv_connector
 from servelab.executor.driver import create_executor, start_executor
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer
+from servelab.models.gguf import shared_gguf_reader
 from servelab.pipeline.batch import BatchRuns
 from servelab.pipeline.delivery import OutputDelivery, Tracked, warn_unenforced
 from servelab.pipeline.detokenizer import IncrementalDetokenizer
@@ -298,13 +299,16 @@ class Pipeline(BatchRuns, OutputDelivery):
         (:class:`~servelab.quantization.QuantizationPlan`) is what ``pipe.config.quantization`` shows.
         """
         quantization = settings.get("quantization", (config or PipelineConfig()).quantization)
-        model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights, quantization=quantization)
+        with shared_gguf_reader():  # a .gguf file is parsed once for the model and its tokenizer
+            model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights,
+                                  quantization=quantization)
+            tokenizer = load_tokenizer(path)
         plan = getattr(model, "quantization_plan", None)
         if plan is None and quantization not in (None, "none", "auto"):
             plan = resolve_quantization(model, quantization)  # online: resolved against this model's layers
         if plan is not None:
             settings = {**settings, "quantization": plan}
-        return cls(model, load_tokenizer(path), config=config, **settings)
+        return cls(model, tokenizer, config=config, **settings)
 
     def _new_recorder(self) -> MetricsRecorder:
         return MetricsRecorder(self.clock(), speculative=self.num_speculative_tokens > 0)
