@@ -3,9 +3,11 @@ model and one virtual clock, as a discrete-event loop.
 
 :func:`~servelab.scheduling.simulator.simulate` runs it with one replica,
 :func:`~servelab.cluster.simulate_cluster` with one or many (colocated or
-prefill/decode); both build their requests with one :class:`RequestFactory`
-and charge every step with one cost call, :func:`step_timer`'s ``time_of`` on
-the step's real ``SchedulerOutput``.
+prefill/decode), ``simulate(engine="vllm")`` with one replica whose scheduler
+is vLLM's behind an adapter (:mod:`.vllm_engine`); servelab's schedulers get
+their requests from one :class:`RequestFactory`, and every step is charged by
+one cost call, :func:`step_timer`'s ``time_of`` on the step's real scheduler
+output.
 
 Events, in time order (ties: arrivals first, then events in the order they
 were scheduled): an *arrival* is handed to ``arrive`` (which adds it to a
@@ -15,7 +17,9 @@ prefill) with ``update_from_output``; any other event is a callback (a P/D KV
 transfer landing). After each event every replica it touched that is idle
 starts a step: ``schedule()``, then a step end at ``now + time_of(output)``.
 A step that schedules nothing applies the failures (and landed transfers) it
-reports and leaves the replica idle until the next event touches it.
+reports and leaves the replica idle until the next event touches it (it
+schedules again at once if landed transfers re-queued requests or a request
+preempted itself to wait for memory: no event would come for those).
 
 What the loop does not do, because nothing reads it: it never builds a
 request's ``Request`` before its arrival (a trace or generator is read
