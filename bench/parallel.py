@@ -41,7 +41,8 @@ from results_io import append_rows, make_row  # noqa: E402
 
 from servelab import Pipeline, SamplingParams  # noqa: E402
 
-GRID = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+GRID = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "tp3": {"tensor_parallel_size": 3},
+        "pp2": {"pipeline_parallel_size": 2}}
 ROUTERS = ("round_robin", "prefix_affinity", "consistent_hash")
 #: prefix_affinity's absolute balance slack scaled like the trace (8192 tokens at 512-token blocks)
 AFFINITY_KWARGS = {"balance_abs_tokens": 128}

@@ -146,3 +146,11 @@ def test_no_worker_survives_an_interrupted_generate(tiny, tmp_path):
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.skipif(os.environ.get("SERVELAB_SLOW_PARALLEL_TESTS") != "1",
+                    reason="four worker processes on a shared 2-core runner: set SERVELAB_SLOW_PARALLEL_TESTS=1")
+def test_tp2_pp2_four_ranks_are_token_exact(tiny, reference):
+    with Pipeline.from_pretrained(tiny, tensor_parallel_size=2, pipeline_parallel_size=2, **SETTINGS) as pipe:
+        assert [o.token_ids for o in pipe.generate(PROMPTS, GREEDY)] == reference
+        assert len(pipe.executor.comm_stats()) == 4
