@@ -96,6 +96,7 @@ class LoRAMapping:
             slot (a request's rows are contiguous), for the SGMV kernels.
         decode: every request has one row (BGMV is used, else SGMV).
         any_adapter: some row has a slot (else the wrappers add nothing).
+        slots: the distinct slots the rows use (a layer none of them adapts is skipped).
     """
 
     num_tokens: int
@@ -105,6 +106,7 @@ class LoRAMapping:
     seg_slots: torch.Tensor
     decode: bool
     any_adapter: bool
+    slots: tuple[int, ...] = ()
 
     @classmethod
     def from_requests(cls, slots: list[int], num_rows: list[int], device: torch.device | str = "cpu"
@@ -128,5 +130,6 @@ class LoRAMapping:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        used = tuple(sorted({s for s in slots if s >= 0}))
         return cls(row, indices.to(device), tensor(starts), tensor(lens), tensor(seg_slots),
-                   decode=all(n == 1 for n in num_rows), any_adapter=any(s >= 0 for s in slots))
+                   decode=all(n == 1 for n in num_rows), any_adapter=bool(used), slots=used)

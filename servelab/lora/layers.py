@@ -84,6 +84,9 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros((max_loras, self.out_features, max_rank), dtype=dtype,
                                                    device=device), persistent=False)
+        # which slices each slot's adapter adapts (a q/v-only adapter leaves o_proj and the MLP
+        # alone: a step whose adapters all leave this layer alone skips it)
+        self.slot_slices: list[tuple[bool, ...]] = [(False,) * len(self.slices)] * max_loras
 
     def dense_weight(self) -> torch.Tensor:
         """The base layer's float ``[out, in]`` weight (adapters are per row, not in it)."""
@@ -109,10 +112,12 @@ class LoRALinear(nn.Module):
             b_rows[part.start:part.start + part.size, :r] = b.to(b_rows.dtype)
         self.lora_a[slot].copy_(a_rows)
         self.lora_b[slot].copy_(b_rows)
+        self.slot_slices[slot] = tuple(name in weights for name in self.hf_names)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_slices[slot] = (False,) * len(self.slices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in_features]`` -> ``[T, out_features]``: the base output plus each row's delta."""
@@ -123,17 +128,24 @@ class LoRALinear(nn.Module):
         if x.shape[0] != mapping.num_tokens:
             raise RuntimeError(f"LoRA layer {self.qualified_name}: {x.shape[0]} rows but the step's LoRA mapping "
                                f"has {mapping.num_tokens}; set the mapping for each forward")
+        # slices some adapter of this step adapts (all zero B otherwise: nothing to add)
+        used = [any(self.slot_slices[s][j] for s in mapping.slots) for j in range(len(self.slices))]
+        if not any(used):
+            return out
         kernel = self.state.kernel
         r_max = self.max_rank
         if mapping.decode:
             h = kernel.bgmv_shrink(x, self.lora_a, mapping.indices, 1.0)
             for j, part in enumerate(self.slices):
-                kernel.bgmv_expand(h[:, j * r_max:(j + 1) * r_max], self.lora_b[:, part.start:part.start + part.size],
-                                   mapping.indices, out, part.start, True)
+                if used[j]:
+                    kernel.bgmv_expand(h[:, j * r_max:(j + 1) * r_max],
+                                       self.lora_b[:, part.start:part.start + part.size], mapping.indices, out,
+                                       part.start, True)
         else:
             segs = (mapping.seg_starts, mapping.seg_lens, mapping.seg_slots)
             h = kernel.sgmv_shrink(x, self.lora_a, *segs, 1.0)
             for j, part in enumerate(self.slices):
-                kernel.sgmv_expand(h[:, j * r_max:(j + 1) * r_max], self.lora_b[:, part.start:part.start + part.size],
-                                   *segs, out, part.start, True)
+                if used[j]:
+                    kernel.sgmv_expand(h[:, j * r_max:(j + 1) * r_max],
+                                       self.lora_b[:, part.start:part.start + part.size], *segs, out, part.start, True)
         return out
