@@ -90,7 +90,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        if x.is_cuda and self.method.triton:
+        if x.is_cuda and self.method.triton and self._triton_group_ok():
             from servelab.kernels.quant_gemm import quant_gemm
             return quant_gemm(x, self.method.name, self.tensors(), self.in_features, self.bias)
         if x.is_cpu and x.dtype is torch.float32 and not (torch.is_grad_enabled() and x.requires_grad):
@@ -120,6 +120,10 @@ class QuantizedLinear(nn.Module):
         bias = self.bias if self.bias is None or self.bias.dtype is torch.float32 else self.bias.float()
         return cpu_kernels.quant_gemm(code, x, weight, weight.stride(0) * weight.element_size(), self.out_features,
                                       stored.get("scales"), stored.get("zeros"), self.group_size or 0, bias)
+
+    def _triton_group_ok(self) -> bool:
+        scales = self.tensors().get("scales")
+        return self.method.name != "w4a16" or (scales is not None and (self.in_features // scales.shape[1]) % 32 == 0)
 
     def _kernel_group_ok(self) -> bool:
         group = self.in_features // self.tensors()["scales"].shape[1]
