@@ -58,7 +58,7 @@ class LoRAStepCost:
         slots: OrderedDict[str, None] = OrderedDict()
 
         def time_of(out: Any) -> float:
-            names = {}
+            names: dict[str, None] = {}
             lora_tokens = 0
             for rid, n in out.num_scheduled_tokens.items():
                 name = self._adapter_of(rid)
