@@ -129,14 +129,20 @@ def test_stream_and_add_request_take_an_adapter(tiny_lora, oracle, one_torch_thr
     assert_lora_idle(pipe)
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
 @torch.no_grad()
-def test_wrapped_layer_equals_merged_weights(tiny_lora):
-    """One layer: base + LoRA delta equals the dense layer with B @ A * scaling merged in."""
-    from servelab.lora.apply import wrap_model
+def test_wrapped_layer_equals_merged_weights(tiny_lora, quantization):
+    """One layer: base + LoRA delta equals the dense layer with B @ A * scaling merged in; the
+    wrapper goes over whatever the layer is (a quantized layer through the MODEL_STEPS order)."""
+    from servelab.config import PipelineConfig
     from servelab.models import load_model
+    from servelab.pipeline.setup import prepare_model
     base, adapters = tiny_lora
     model, _ = load_model(base, pack_weights=False)
-    manager = wrap_model(model, max_loras=2, max_lora_rank=8)
+    config = PipelineConfig().replace(enable_lora=True, max_loras=2, max_lora_rank=8, quantization=quantization)
+    model = prepare_model(model, config)
+    manager = model.lora_manager
+    assert (type(manager.layers["model.layers.0.mlp.down_proj"].base).__name__ == "Linear") == (quantization is None)
     slot = manager.activate_adapter(requests_of(adapters)["all-r8"])
     layer = manager.layers["model.layers.1.self_attn.qkv_proj"]
     x = torch.randn(5, layer.in_features)
