@@ -199,6 +199,9 @@ def kv_bytes_per_step(pipe, model) -> int:
     step's token included), every layer, at the cache's dtype."""
     config = model.config
     tokens = sum(r.num_computed_tokens + 1 for r in pipe.scheduler.running)
+    spec = getattr(pipe.kv_cache_manager, "spec", None)
+    if getattr(spec, "kv_scale", None) is not None:  # quantized pages: data and scales, as the page counts them
+        return tokens * spec.page_size_bytes // spec.block_size * config.num_hidden_layers
     itemsize = torch.empty((), dtype=model.dtype).element_size()
     return 2 * tokens * config.num_key_value_heads * config.head_dim * itemsize * config.num_hidden_layers
 
@@ -287,6 +290,7 @@ def main() -> int:
     parser.add_argument("--threads", default="1", type=comma_separated(int),
                         help="torch thread counts, comma-separated (e.g. 1,2)")
     parser.add_argument("--no-record", action="store_true", help="print only; no rows in results.csv")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the pages' kv_cache_dtype (auto, int8, fp8...)")
     args = parser.parse_args()
     threads = args.threads
     torch.set_num_threads(threads[0])
@@ -308,7 +312,8 @@ def main() -> int:
     num_blocks = max(batches) * -(-max_model_len // 16) + 1
     pipe = Pipeline(model, attention_backend=args.backend, max_num_seqs=max(batches),
                     max_num_batched_tokens=max(4096, args.context * 8), max_model_len=max_model_len,
-                    enable_prefix_caching=False, block_size=16, num_blocks=num_blocks)
+                    enable_prefix_caching=False, block_size=16, num_blocks=num_blocks,
+                    kv_cache_dtype=args.kv_cache_dtype)
     # Steady state: a serving process has long since touched every page of its
     # pool. A fresh pool is allocated without zero-fill, so without this every
     # first write to a page is a page fault inside the timed decode step.
@@ -325,7 +330,8 @@ def main() -> int:
         for t in threads:
             params = dict(model=model_name, batch=batch, context=args.context, backend=args.backend, threads=t,
                           steps=args.steps * args.rounds, packed_weights=model.pack_weights,
-                          omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
+                          omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+                          **({} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}))
             lines.append((params, report_row(batch, t, timed[t])))
     if not args.no_record:
         from results_io import append_rows, make_row

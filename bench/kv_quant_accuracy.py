@@ -130,7 +130,7 @@ def main() -> int:
     base = text_metrics(ref, ref, seqs)
     rows, load = [], os.getloadavg()[0]
     common = {"model": args.model, "text_tokens": base["tokens"], "seq_len": args.seq_len}
-    rows.append(make_row("kv_quant_accuracy", "auto", "ppl", "", base["ppl"], params=dict(common, kv_cache_dtype="auto")))
+    rows.append(make_row("kv_quant_accuracy", "auto", "ppl", "ppl", base["ppl"], params=dict(common, kv_cache_dtype="auto")))
     print(f"auto ppl={base['ppl']:.4f} over {base['tokens']} tokens", flush=True)
     greedy_ref = None
     if args.greedy:
@@ -146,9 +146,10 @@ def main() -> int:
         m = text_metrics(ref, got, seqs)
         params = dict(common, kv_cache_dtype=dtype, kv_cache_scale=scale,
                       scales="token" if scale == "token_head" else ("calibrated" if calibrated else "1.0"))
-        for metric, value in (("ppl", m["ppl"]), ("ppl_ratio", m["ppl"] / base["ppl"]), ("kl_mean", m["kl_mean"]),
-                              ("top1_agreement", m["top1_agreement"])):
-            rows.append(make_row("kv_quant_accuracy", dtype, metric, "", value, params=params))
+        for metric, unit, value in (("ppl", "ppl", m["ppl"]), ("ppl_ratio", "ratio", m["ppl"] / base["ppl"]),
+                                    ("kl_mean", "nats", m["kl_mean"]), ("top1_agreement", "fraction",
+                                                                        m["top1_agreement"])):
+            rows.append(make_row("kv_quant_accuracy", dtype, metric, unit, value, params=params))
         line = (f"{dtype:9s} {scale:10s} {params['scales']:10s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} "
                 f"kl={m['kl_mean']:.2e} top1={m['top1_agreement']:.4f}")
         if args.greedy and (scale == "token_head" or (calibrated and scale == "head" and dtype == "int8")):

@@ -135,8 +135,16 @@ class KVConnector(ABC):
 
     def register_kv_caches(self, kv_caches: Sequence[tuple[torch.Tensor, ...]],
                            layer_groups: Sequence[Sequence[int]]) -> None:
-        """The paged caches per layer and the layers of each KV-cache group (called once)."""
-        self.kv_caches = kv_caches
+        """The paged caches per layer and the layers of each KV-cache group (called once).
+
+        A quantized cache's pages move with their in-page scales (``"token_head"``: the third and
+        fourth tensors of a layer, indexed by block like the data); static per-layer scales
+        (``"tensor"`` / ``"head"``: stride-0 views, :func:`servelab.blocks.kv_quant.is_static_scale`)
+        are not in the pages and are left out here: a receiver reads moved pages with its own
+        static scales, which must be the same calibration."""
+        from servelab.blocks.kv_quant import is_static_scale
+
+        self.kv_caches = [tuple(t for t in layer if not (t.dim() == 3 and is_static_scale(t))) for layer in kv_caches]
         self.layer_groups = [list(g) for g in layer_groups]
 
     # ---- scheduler side ------------------------------------------------------------

@@ -7,7 +7,7 @@
  * step; over quantized pages it is 1 byte per element (plus one float32 scale per token and
  * head) instead of 4, provided nothing makes a dequantized copy first. Here each head reads
  * its positions straight from the pages through the block table, converts one row of D
- * bytes to float32 (int8 by a cast, float8 by a 256-entry table) into a small buffer, and
+ * bytes to float32 (int8 by a cast, float8 by integer field moves) into a small buffer, and
  * uses it for the G query heads of its group; the scale multiplies the dot product (K) and
  * the softmax weight (V), not every element.
  *
@@ -23,7 +23,7 @@
  *   out      float32 [rows, Hk * G, D]
  * window > 0 restricts row r to its last `window` positions.
  *
- * Order (deterministic): dot products over d in increasing order; softmax max and sum over
+ * Order (deterministic): dot products in 16 lanes over d, lanes summed in increasing order; softmax max and sum over
  * positions in increasing order; each head computed by one thread, so every thread count
  * gives the same bits.
  */
@@ -33,71 +33,116 @@
 #include <string.h>
 
 #define MAX_HEAD_SIZE 512
+#define LANES 16
 
-static float E4M3[256], E5M2[256];
-static int tables_ready = 0;
+typedef float vf __attribute__((vector_size(64)));  /* 16 floats */
 
-static float ldexp_int(float m, int e) { return ldexpf(m, e); }
+static inline vf vload(const float* p) { vf x; memcpy(&x, p, sizeof(x)); return x; }
+static inline vf vsplat(float s) { return (vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
-/* The float8 -> float32 tables (OCP e4m3fn: no infinities, S.1111.111 is NaN; e5m2: IEEE-like). */
-static void build_tables(void) {
-    for (int b = 0; b < 256; ++b) {
-        const float sign = (b & 0x80) ? -1.0f : 1.0f;
-        int e = (b >> 3) & 0xF, m = b & 7;
-        float x;
-        if (e == 0) x = ldexp_int((float)m / 8.0f, -6);
-        else if (e == 15 && m == 7) x = NAN;
-        else x = ldexp_int(1.0f + (float)m / 8.0f, e - 7);
-        E4M3[b] = sign * x;
-        e = (b >> 2) & 0x1F, m = b & 3;
-        if (e == 0) x = ldexp_int((float)m / 4.0f, -14);
-        else if (e == 31) x = m == 0 ? INFINITY : NAN;
-        else x = ldexp_int(1.0f + (float)m / 4.0f, e - 15);
-        E5M2[b] = sign * x;
-    }
-    tables_ready = 1;
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+/* The 16 lanes summed as a fixed tree (halves added: 16 -> 8 -> 4 -> 1): deterministic, and a few
+ * shuffles instead of 15 dependent scalar adds. */
+static inline float hsum(vf x) {
+    const vf8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+                  + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* One stored row of `d` values -> float32 (format 1 int8, 2 e4m3fn, 3 e5m2). */
-static inline void convert_row(const uint8_t* src, float* dst, int64_t d, int64_t format) {
+static inline float bits_to_float(uint32_t bits) { float f; memcpy(&f, &bits, sizeof(f)); return f; }
+
+/* One stored row of `d` values -> float32 (format 1 int8, 2 float8 e4m3fn, 3 float8 e5m2). Float8 is
+ * decoded with integer ops the compiler vectorizes: a normal number moves its exponent and mantissa
+ * into float32's fields (bias 127 - 7 = 120 for e4m3, 127 - 15 = 112 for e5m2); a subnormal is
+ * mantissa * 2^-9 (e4m3) or 2^-16 (e5m2), exact in float32. NaN / infinity are never stored (the
+ * writes clamp to the finite range), so they are not decoded. */
+static inline void convert_row(const uint8_t* restrict src, float* restrict dst, int64_t d, int64_t format) {
     if (format == 1) {
         const int8_t* s = (const int8_t*)src;
         for (int64_t i = 0; i < d; ++i) dst[i] = (float)s[i];
+    } else if (format == 2) {
+        for (int64_t i = 0; i < d; ++i) {
+            const uint32_t b = src[i], e = (b >> 3) & 0xF, m = b & 7, sign = (b & 0x80) << 24;
+            const float normal = bits_to_float(sign | ((e + 120) << 23) | (m << 20));
+            const float sub = bits_to_float(sign | 0x3F800000u) * (float)m * 0.001953125f;  /* 2^-9 */
+            dst[i] = e ? normal : sub;
+        }
     } else {
-        const float* table = format == 2 ? E4M3 : E5M2;
-        for (int64_t i = 0; i < d; ++i) dst[i] = table[src[i]];
+        for (int64_t i = 0; i < d; ++i) {
+            const uint32_t b = src[i], e = (b >> 2) & 0x1F, m = b & 3, sign = (b & 0x80) << 24;
+            const float normal = bits_to_float(sign | ((e + 112) << 23) | (m << 21));
+            const float sub = bits_to_float(sign | 0x3F800000u) * (float)m * 1.52587890625e-05f;  /* 2^-16 */
+            dst[i] = e ? normal : sub;
+        }
     }
 }
 
-static void attend_head(const float* q, const uint8_t* k, const uint8_t* v, const int64_t* cs,
-                        const float* ks, const float* vs, const int64_t* ss, const int32_t* table,
-                        int64_t begin, int64_t len, int64_t h, int64_t group, int64_t d, int64_t block_size,
-                        int64_t format, float scale, float* s, int64_t width, float* out) {
-    float row[MAX_HEAD_SIZE];
-    for (int64_t p = begin; p < len; ++p) {  /* scores: scale * k_scale * (q . stored row) */
-        const int64_t block = table[p / block_size], offset = p % block_size;
-        convert_row(k + block * cs[0] + offset * cs[1] + h * cs[2], row, d, format);
-        const float factor = scale * ks[block * ss[0] + offset * ss[1] + h * ss[2]];
+/* exp(x) for x <= 0 (softmax arguments, max subtracted): Cephes' single-precision polynomial, as
+ * csrc/decode_attention.c's (within 2 ulp of expf on [-87, 0]); no libm call, so loops vectorize. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * bits_to_float((uint32_t)((int32_t)n + 127) << 23);
+}
+
+/* Position p's block and offset walked block by block (no division per position; the table entry
+ * past the last position is never read). */
+#define FOR_POSITIONS(begin, len, block_size, table, block, offset, p)                              \
+    for (int64_t p = (begin), block_index_ = (begin) / (block_size), offset = (begin) % (block_size),  \
+                 block = (table)[block_index_];                                                    \
+         p < (len);                                                                                 \
+         ++p, (++offset == (block_size) ? (offset = 0, ++block_index_,                                     \
+                                           block = p < (len) ? (table)[block_index_] : 0) : 0))
+
+static void attend_head(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
+                        const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
+                        const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
+                        int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format, float scale,
+                        float* restrict s, int64_t width, float* restrict out) {
+    float row[MAX_HEAD_SIZE] __attribute__((aligned(64)));
+    const int64_t chunks = d / LANES, tail = chunks * LANES;
+    const uint8_t* kh = k + h * cs[2];
+    const uint8_t* vh = v + h * cs[5];
+    const float* ksh = ks + h * ss[2];
+    const float* vsh = vs + h * ss[5];
+    FOR_POSITIONS(begin, len, block_size, table, block, offset, p) {  /* scores: scale * k_scale * (q . row) */
+        convert_row(kh + block * cs[0] + offset * cs[1], row, d, format);
+        const float factor = scale * ksh[block * ss[0] + offset * ss[1]];
         for (int64_t g = 0; g < group; ++g) {
             const float* qg = q + g * d;
-            float acc = 0.0f;
-            for (int64_t i = 0; i < d; ++i) acc += qg[i] * row[i];
-            s[g * width + p] = acc * factor;
+            vf acc = vsplat(0.0f);
+            for (int64_t c = 0; c < chunks; ++c) acc += vload(qg + c * LANES) * vload(row + c * LANES);
+            float dot = hsum(acc);
+            for (int64_t i = tail; i < d; ++i) dot += qg[i] * row[i];
+            s[g * width + p] = dot * factor;
         }
     }
     for (int64_t g = 0; g < group; ++g) {  /* softmax over [begin, len) */
         float* sg = s + g * width;
         float m = -INFINITY, total = 0.0f;
         for (int64_t p = begin; p < len; ++p) m = sg[p] > m ? sg[p] : m;
-        for (int64_t p = begin; p < len; ++p) total += (sg[p] = expf(sg[p] - m));
+        /* weights under e^-69 (1e-30 of the largest) are 0: they change nothing a float32 sum keeps,
+         * and their products with small scales would be denormals, which are slow on x86 */
+        for (int64_t p = begin; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
+        for (int64_t p = begin; p < len; ++p) total += sg[p];
         const float inv = 1.0f / total;
         for (int64_t p = begin; p < len; ++p) sg[p] *= inv;
         memset(out + g * d, 0, sizeof(float) * (size_t)d);
     }
-    for (int64_t p = begin; p < len; ++p) {  /* values: (p * v_scale) * stored row */
-        const int64_t block = table[p / block_size], offset = p % block_size;
-        convert_row(v + block * cs[3] + offset * cs[4] + h * cs[5], row, d, format);
-        const float v_scale = vs[block * ss[3] + offset * ss[4] + h * ss[5]];
+    FOR_POSITIONS(begin, len, block_size, table, block, offset, p) {  /* values: (p * v_scale) * row */
+        convert_row(vh + block * cs[3] + offset * cs[4], row, d, format);
+        const float v_scale = vsh[block * ss[3] + offset * ss[4]];
         for (int64_t g = 0; g < group; ++g) {
             const float w = s[g * width + p] * v_scale;
             float* og = out + g * d;
@@ -115,7 +160,6 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
                                 int64_t format, float scale, float* scores, int64_t width, float* out,
                                 int64_t num_threads) {
     if (head_size > MAX_HEAD_SIZE || format < 1 || format > 3) return -1;
-    if (!tables_ready) build_tables();  /* before any thread reads them */
     const int64_t heads = rows * kv_heads;
     const int team = num_threads > 1 ? (int)num_threads : 1;
     (void)team;
