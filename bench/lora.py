@@ -13,10 +13,12 @@ greedy tokens each, ignore_eos) is run as:
 - ``sequential``: the same ``k`` adapters served one after another (one ``generate`` per
   adapter, its requests only, ``max_loras=1``).
 
-Each round runs every configuration once (after one warm-up run each); rows hold the median
-over rounds (p20/p80 the spread) of output tokens per second, and the ratios taken within a
-round: ``lora`` over ``base`` and ``lora`` over ``sequential`` (the issue's targets: >= 0.7 and
->= 4 at 8 adapters). ``load_ms`` / ``activate_ms``: reading an adapter folder, and writing it
+Each configuration's pipeline is built in turn (one at a time beside the base model's: a
+small machine holds no more), warmed, then measured ``--rounds`` times, each round running
+the base model, the configuration and (LoRA) the one-after-another serving back to back;
+rows hold the median over rounds (p20/p80 the spread) of output tokens per second, and the
+ratios taken within a round: ``lora`` over ``base`` and ``lora`` over ``sequential`` (the
+issue's targets: >= 0.7 and >= 4 at 8 adapters). ``load_ms`` / ``activate_ms``: reading an adapter folder, and writing it
 into a slot of every wrapped layer. Every timed configuration also records ``load_1m``
 (``os.getloadavg()``): the machine may be shared.
 
@@ -29,6 +31,7 @@ Usage: ``python bench/lora.py [--model smollm2] [--adapters 1,2,4,8,16] [--round
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -109,7 +112,20 @@ def timed(pipe: Pipeline, prompts, params, loras=None) -> float:
     return elapsed
 
 
+def groups_of(adapter_counts: list[int], below: bool) -> list[tuple[str, int, int]]:
+    """``(kind, distinct adapters, max_loras)`` of each pipeline built in turn (memory: one at a time)."""
+    groups = [("merged", 1, 0)]
+    for k in adapter_counts:
+        groups.append(("lora", k, k))
+        if below and k > 1:
+            groups.append(("lora", k, k // 2))
+    return groups
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    """Each group's pipeline is built, warmed, measured ``--rounds`` times interleaved with the base
+    model (and, for LoRA, serving the adapters one after another), then dropped: one SmolLM2
+    pipeline per configuration at once would not fit a small machine."""
     root = Path(tempfile.mkdtemp(prefix="servelab-lora-bench-"))
     base = model_path(args.model, root)
     tokenizer = load_tokenizer(base)
@@ -121,71 +137,67 @@ def run(args: argparse.Namespace) -> list[dict]:
     most = max(args.adapters)
     adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(root / f"a{i}", base, rank=args.rank, seed=i)))
                 for i in range(most)]
-    common = dict(max_num_batched_tokens=args.budget, max_num_seqs=args.requests)
-    pipes = {"base": Pipeline.from_pretrained(base, **common),
-             "merged": Pipeline(merged_model(base, adapters[0], args.rank), tokenizer, **common)}
-    configs: list[tuple[str, int, int]] = [("base", 0, 0), ("merged", 1, 0)]
-    for k in args.adapters:
-        for slots in sorted({k, max(1, k // 2)}, reverse=True):
-            configs.append(("lora", k, slots))
-        configs.append(("sequential", k, 1))
-    lora_pipes: dict[int, Pipeline] = {}
-
-    def pipe_for(kind: str, slots: int) -> Pipeline:
-        if kind in pipes:
-            return pipes[kind]
-        if slots not in lora_pipes:
-            lora_pipes[slots] = Pipeline.from_pretrained(base, enable_lora=True, max_loras=slots,
-                                                         max_lora_rank=args.rank, max_cpu_loras=most, **common)
-        return lora_pipes[slots]
-
-    def one(kind: str, k: int, slots: int) -> float:
-        pipe = pipe_for(kind, slots)
-        if kind in ("base", "merged"):
-            return timed(pipe, prompts, params)
-        if kind == "lora":
-            return timed(pipe, prompts, params, [adapters[i % k] for i in range(len(prompts))])
-        return sum(timed(pipe, prompts[j::k], params, adapters[j]) for j in range(k) if prompts[j::k])
-
-    for config in configs:  # warm-up: weights packed, kernels built, adapters loaded
-        one(*config)
-    times: dict[tuple, list[float]] = {c: [] for c in configs}
-    loads: dict[tuple, list[float]] = {c: [] for c in configs}
-    for _ in range(args.rounds):
-        for config in configs:
-            loads[config].append(os.getloadavg()[0])
-            times[config].append(one(*config))
-    return rows_of(args, configs, times, loads, lora_pipes)
+    common = dict(max_num_batched_tokens=args.budget, max_num_seqs=args.requests, num_blocks=args.num_blocks)
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    base_pipe = Pipeline.from_pretrained(base, **common)
+    base_pipe.generate(prompts[:2], warm)
+    rows: list[dict] = []
+    for kind, k, slots in groups_of(args.adapters, args.below):
+        if kind == "merged":
+            pipe = Pipeline(merged_model(base, adapters[0], args.rank), tokenizer, **common)
+        else:
+            pipe = Pipeline.from_pretrained(base, enable_lora=True, max_loras=slots, max_lora_rank=args.rank,
+                                            max_cpu_loras=most, **common)
+        loras = [adapters[i % k] for i in range(len(prompts))] if kind == "lora" else None
+        pipe.generate(prompts[:2], warm, lora_request=loras[:2] if loras else None)
+        times: dict[str, list[float]] = {"base": [], kind: [], "sequential": []}
+        loads: list[float] = []
+        for _ in range(args.rounds):
+            loads.append(os.getloadavg()[0])
+            times["base"].append(timed(base_pipe, prompts, params))
+            times[kind].append(timed(pipe, prompts, params, loras))
+            if kind == "lora":  # the same adapters served one after another (one generate each)
+                times["sequential"].append(sum(timed(pipe, prompts[j::k], params, adapters[j])
+                                               for j in range(k) if prompts[j::k]))
+        rows += rows_of(args, kind, k, slots, times, loads, getattr(pipe, "lora_manager", None))
+        del pipe
+        gc.collect()
+    return rows
 
 
-def rows_of(args, configs, times, loads, lora_pipes) -> list[dict]:
+def rows_of(args, kind: str, k: int, slots: int, times: dict, loads: list[float], manager) -> list[dict]:
     tokens = args.requests * args.max_tokens
+    p = dict(model=args.model, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+             rank=args.rank, threads=torch.get_num_threads(), budget=args.budget, distinct_adapters=k,
+             max_loras=slots)
     rows = []
-    shared = dict(model=args.model, requests=args.requests, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                  rank=args.rank, threads=torch.get_num_threads(), budget=args.budget)
-    base_times = times[("base", 0, 0)]
-    for kind, k, slots in configs:
-        p = dict(shared, distinct_adapters=k, max_loras=slots)
-        tps = [tokens / t for t in times[(kind, k, slots)]]
+
+    def throughput(implementation: str, seconds: list[float]) -> None:
+        tps = [tokens / t for t in seconds]
         q = percentiles(tps)
-        rows.append(make_row("lora", kind, "tokens_per_s", "tok/s", statistics.median(tps), params=p,
+        rows.append(make_row("lora", implementation, "tokens_per_s", "tok/s", statistics.median(tps), params=p,
                              p20=q["p20"], p80=q["p80"]))
-        rows.append(make_row("lora", kind, "load_1m", "load", statistics.median(loads[(kind, k, slots)]), params=p))
-        if kind in ("lora", "merged", "sequential"):
-            ratio = [b / t for b, t in zip(base_times, times[(kind, k, slots)])]
-            rows.append(make_row("lora", kind, "ratio_vs_base", "x", statistics.median(ratio), params=p))
-        if kind == "lora":
-            seq = times[("sequential", k, 1)]
-            ratio = [s / t for s, t in zip(seq, times[(kind, k, slots)])]
-            rows.append(make_row("lora", kind, "ratio_vs_sequential", "x", statistics.median(ratio), params=p))
-    for slots, pipe in lora_pipes.items():
-        stats = pipe.lora_manager.stats
-        p = dict(shared, max_loras=slots)
+
+    def ratio(implementation: str, metric: str, over: list[float], under: list[float]) -> None:
+        values = [a / b for a, b in zip(over, under)]  # each from one round: the same load
+        q = percentiles(values)
+        rows.append(make_row("lora", implementation, metric, "x", statistics.median(values), params=p,
+                             p20=q["p20"], p80=q["p80"]))
+
+    throughput(kind, times[kind])
+    throughput(f"base (beside {kind})", times["base"])
+    ratio(kind, "ratio_vs_base", times["base"], times[kind])
+    rows.append(make_row("lora", kind, "load_1m", "load", statistics.median(loads), params=p))
+    if kind == "lora":
+        throughput("sequential", times["sequential"])
+        ratio(kind, "ratio_vs_sequential", times["sequential"], times[kind])
+        stats = manager.stats
         if stats.loads:
             rows.append(make_row("lora", "manager", "load_ms", "ms", 1e3 * stats.load_seconds / stats.loads, params=p))
         if stats.activations:
             rows.append(make_row("lora", "manager", "activate_ms", "ms",
                                  1e3 * stats.activate_seconds / stats.activations, params=p))
+            rows.append(make_row("lora", "manager", "activations", "count", stats.activations, params=p))
     return rows
 
 
@@ -200,6 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=512, help="KV pool (small: the machine may be shared)")
+    parser.add_argument("--below", action=argparse.BooleanOptionalAction, default=True,
+                        help="also max_loras = adapters // 2")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="print the rows, append nothing")
     args = parser.parse_args(argv)
