@@ -103,5 +103,6 @@ class MoEConfig:
         """Expert parameters one token reads in one sparse layer: ``top_k`` experts plus the
         shared expert (3 matrices of ``hidden x width`` each) and the router."""
         routed = self.top_k * 3 * hidden_size * self.intermediate_size
-        shared = 3 * hidden_size * self.shared_expert_intermediate_size + (hidden_size if self.shared_expert_intermediate_size else 0)
+        shared_width = self.shared_expert_intermediate_size
+        shared = 3 * hidden_size * shared_width + (hidden_size if shared_width else 0)  # + its sigmoid gate
         return routed + shared + self.num_experts * hidden_size

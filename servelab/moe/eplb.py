@@ -215,7 +215,8 @@ def enable_eplb(model: torch.nn.Module, *, num_redundant_experts: int = 0, num_r
     if blocks[0][1].experts.ep_range is not None:
         raise ValueError("EPLB on an expert-parallel model is not supported (slots would move across ranks)")
     experts = blocks[0][1].experts.num_experts
-    if isinstance(num_redundant_experts, bool) or not isinstance(num_redundant_experts, int) or num_redundant_experts < 0:
+    redundant = num_redundant_experts
+    if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
         raise ValueError(f"num_redundant_experts={num_redundant_experts!r} must be an int >= 0")
     slots = experts + num_redundant_experts
     check_policy_args(torch.zeros(len(blocks), experts), slots, num_groups, num_nodes, num_ranks)

@@ -115,7 +115,8 @@ def fused_experts_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.
                       topk_ids: torch.Tensor, *, activation: str = "silu") -> torch.Tensor:
     """The ``"cpu"`` experts kernel (shapes in the module docstring): one gather of the pairs in
     expert order, two GEMMs per expert that has pairs, one scatter back, a float32 weighted sum
-    over the k slots (float64 for float64 inputs). No per-expert ``torch.where`` (the reference's cost grows with E x T)."""
+    over the k slots (float64 for float64 inputs). No per-expert ``torch.where`` (the reference's cost
+    grows with E x T)."""
     check_experts_args(hidden_states, w13, w2, topk_weights, topk_ids, activation)
     num_tokens, top_k = topk_ids.shape
     order, counts = sort_by_expert(topk_ids, w13.shape[0])

@@ -129,10 +129,10 @@ def test_enable_eplb_refuses_bad_settings(qwen3_moe):
 
 def test_rearranging_while_serving_keeps_greedy_outputs(qwen3_moe):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    plain = Pipeline.from_pretrained(qwen3_moe, enable_prefix_caching=True)
+    plain = Pipeline.from_pretrained(qwen3_moe, enable_prefix_caching=True, drafter="ngram", num_speculative_tokens=2)
     prompts = random_prompts([9, 14, 6, 11], plain.model.config.vocab_size, seed=11)
     expected = [list(o.token_ids) for o in plain.generate(prompts, params)]
-    pipe = Pipeline.from_pretrained(qwen3_moe, enable_prefix_caching=True)
+    pipe = Pipeline.from_pretrained(qwen3_moe, enable_prefix_caching=True, drafter="ngram", num_speculative_tokens=2)
     state = enable_eplb(pipe.model, num_redundant_experts=4, num_ranks=4, window_size=4, rearrange_interval=3,
                         skip_threshold=0.0)
     initial = state.physical_to_logical_map.clone()

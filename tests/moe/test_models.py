@@ -134,3 +134,25 @@ def test_pipeline_prefix_caching_preemption_speculation(arch, moe_checkpoint):
     assert metrics.num_preemptions > 0 and metrics.prefix_cache_hit_rate > 0 and metrics.speculative
     manager = pipe.kv_cache_manager
     assert manager.num_free_blocks == pipe.num_blocks - 1 and not manager.req_to_blocks
+
+
+def test_moe_config_reads_each_family_and_refuses_bad_fields():
+    from servelab.models import tiny_config
+    from servelab.moe import MoEConfig
+
+    q2 = MoEConfig.from_hf(tiny_config("qwen2_moe", num_hidden_layers=4, mlp_only_layers=[2], decoder_sparse_step=2))
+    assert q2.sparse_layers == (False, True, False, True) and q2.shared_expert_intermediate_size == 96
+    assert (q2.num_experts, q2.top_k, q2.intermediate_size, q2.renormalize) == (8, 4, 32, False)
+    mix = MoEConfig.from_hf(tiny_config("mixtral"))
+    assert mix.renormalize and mix.intermediate_size == 128 and mix.sparse_layers == (True, True)
+    h = 64  # per token and sparse layer: top-k experts' 3 matrices, the shared expert and its gate, the router
+    assert q2.active_parameters_per_token(h) == 4 * 3 * h * 32 + 3 * h * 96 + h + 8 * h
+    assert mix.active_parameters_per_token(h) == 2 * 3 * h * 128 + 8 * h
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 exceeds the 8 experts"):
+        MoEConfig.from_hf(tiny_config("olmoe", num_experts_per_tok=9))
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported for mixtral"):
+        MoEConfig.from_hf(tiny_config("mixtral", hidden_act="gelu"))
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported for model_type='qwen3_moe'"):
+        from servelab.models import ModelConfig
+
+        ModelConfig.from_hf(tiny_config("qwen3_moe", use_sliding_window=True, sliding_window=16))
