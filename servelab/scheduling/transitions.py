@@ -169,10 +169,8 @@ class RequestTransitions:
             # saw, so it must be told to start over rather than to recompute one
             # position.
             self._pending_outputs[:0] = outputs
-            for rid in req_ids:
-                req = self.requests.get(rid)
-                if req is not None and req.status is RUNNING and req.num_computed_tokens >= req.num_tokens:
-                    self._roll_back(req, False)  # a key() raising while re-queueing fails the request
+            self._roll_back_each([r for rid in req_ids if (r := self.requests.get(rid)) is not None
+                                  and r.status is RUNNING and r.num_computed_tokens >= r.num_tokens], set())
             self.running = [r for r in self.running if r.status is RUNNING]
             raise
         if any_finished:
@@ -330,12 +328,7 @@ class RequestTransitions:
                    if rid in requests and requests[rid].status is RUNNING]
         self._finished_ids |= {rid for rid in scheduler_output.finished_req_ids if rid not in requests}
         self._unreported_preempted |= scheduler_output.preempted_req_ids
-        try:
-            for req in to_roll:
-                self._roll_back(req, req.request_id in new_ids)
-        except BaseException:
-            self._repair(new_ids)
-            raise
+        self._roll_back_each(to_roll, new_ids)
         if to_roll:
             self.running = [r for r in self.running if r.status is RUNNING]
 
@@ -354,17 +347,31 @@ class RequestTransitions:
         self._unreported_preempted.add(req.request_id)
         self._requeue(req, "rolled back")
 
+    def _roll_back_each(self, reqs: list[Request], new_ids: set[str]) -> None:
+        """:meth:`_roll_back` every one of ``reqs`` still running (``running`` is the caller's to
+        filter). A ``BaseException`` while one is re-queued (the policy's ``key``) must not stop the
+        others: left running with the failed step's tokens counted as computed, a request has
+        nothing left to schedule and never ends (nor frees its blocks). So all are rolled back, the
+        queues repaired (the interrupted one is queued again), then the first exception re-raised."""
+        interrupted: BaseException | None = None
+        for req in reqs:
+            if req.status is RUNNING and self.requests.get(req.request_id) is req:
+                try:
+                    self._roll_back(req, req.request_id in new_ids)
+                except BaseException as exc:
+                    if interrupted is None:
+                        interrupted = exc
+        if interrupted is not None:
+            self._repair(new_ids)
+            raise interrupted
+
     def _undo_step(self, step: Any) -> None:
         """``schedule()`` was interrupted: roll back every request it scheduled."""
         new_ids = {d.req_id for d in step.new_reqs}
         self._unreported_preempted |= step.preempted
-        try:
-            for rid in step.num_scheduled:
-                req = self.requests.get(rid)
-                if req is not None and req.status is RUNNING:
-                    self._roll_back(req, rid in new_ids)
-        finally:
-            self._repair(new_ids)
+        self._roll_back_each([r for rid in step.num_scheduled if (r := self.requests.get(rid)) is not None],
+                             new_ids)  # repairs when interrupted
+        self._repair(new_ids)
 
     def _repair(self, new_ids: set[str]) -> None:
         """Re-establish the queue invariants after an interrupted operation:
