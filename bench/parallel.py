@@ -17,9 +17,10 @@ Two parts (``--part``), each appending rows to ``bench/results/results.csv``:
   behind each router, and the simulator's prediction for the same replicas, pool and
   requests (``implementation`` ``real`` / ``sim``, metric ``prefix_hit_rate``). Two
   admission modes: ``sequential`` (one request in the cluster at a time, the simulator fed
-  arrivals 1000 s apart: both deterministic) and ``concurrent`` (``--in-flight`` requests
-  in the cluster; the simulator fed arrivals at the rate that keeps as many in flight by
-  Little's law, from its own sequential latency).
+  arrivals 1000 s apart: both deterministic) and ``open`` (arrivals every
+  ``latency / --in-flight`` seconds, each system at its own sequential per-request
+  latency: the same offered load relative to its own service rate, real wall clock for
+  the replicas, simulated time for the simulator).
 
 Usage::
 
@@ -133,9 +134,8 @@ def _simulate(requests: list, router: str, args: argparse.Namespace, gap_s: floa
     kwargs = AFFINITY_KWARGS if router == "prefix_affinity" else None
     result = simulate_cluster(sequential_arrivals(requests, gap_s), replicas=args.replicas, router=router,
                               num_blocks=args.num_blocks, block_size=8, router_kwargs=kwargs)
-    done = [m for m in result.cluster.requests if m.finish_time is not None]
-    latency = sum(m.finish_time - m.arrival_time for m in done) / max(1, len(done))
-    return result.summary()["prefix_hit_rate"], latency
+    spans = [m.finish_time - m.arrival_time for m in result.cluster.requests if m.finish_time is not None]
+    return float(result.summary()["prefix_hit_rate"]), sum(spans) / max(1, len(spans))
 
 
 def run_dp(args: argparse.Namespace) -> list[dict]:
@@ -151,22 +151,27 @@ def run_dp(args: argparse.Namespace) -> list[dict]:
             "num_blocks": args.num_blocks, "block_size": 8, "tokens_per_source_block": 8}
     with Replicas(path, args.replicas, num_blocks=args.num_blocks, block_size=8, max_model_len=2048) as reps:
         for router in args.routers.split(","):
-            predicted, latency = _simulate(requests, router, args, 1000.0)
-            modes = {"sequential": (1, predicted)}
-            if args.in_flight > 1:
-                modes["concurrent"] = (args.in_flight, _simulate(requests, router, args, latency / args.in_flight)[0])
-            for mode, (in_flight, sim_rate) in modes.items():
+            kwargs = AFFINITY_KWARGS if router == "prefix_affinity" else None
+            predicted, sim_latency = _simulate(requests, router, args, 1000.0)
+            real_latency = 0.0
+            for mode in ("sequential", "open") if args.in_flight > 1 else ("sequential",):
                 reps.reset_prefix_caches()
                 load = _load()
-                run = reps.run(prompts, params, router=router, max_in_flight=in_flight,
-                               router_kwargs=AFFINITY_KWARGS if router == "prefix_affinity" else None)
-                params_row = {**base, "router": router, "mode": mode, "max_in_flight": in_flight, "loadavg": load,
-                              "failed": run.num_failed, "routed": run.routed}
+                if mode == "sequential":
+                    run = reps.run(prompts, params, router=router, max_in_flight=1, router_kwargs=kwargs)
+                    real_latency, sim_rate = run.wall_s / len(prompts), predicted
+                else:  # both open loops offered in_flight x their own sequential service rate
+                    gap = real_latency / args.in_flight
+                    run = reps.run(prompts, params, router=router, router_kwargs=kwargs,
+                                   arrival_times=[i * gap for i in range(len(prompts))])
+                    sim_rate = _simulate(requests, router, args, sim_latency / args.in_flight)[0]
+                params_row = {**base, "router": router, "mode": mode, "offered_load": 1 if mode == "sequential"
+                              else args.in_flight, "loadavg": load, "failed": run.num_failed, "routed": run.routed}
                 rows.append(make_row("parallel_dp", "real", "prefix_hit_rate", "ratio", run.prefix_hit_rate,
                                      params=params_row))
                 rows.append(make_row("parallel_dp", "sim", "prefix_hit_rate", "ratio", sim_rate, params=params_row))
                 print(f"{router:16s} {mode:10s} real {run.prefix_hit_rate:.4f} sim {sim_rate:.4f} routed {run.routed} "
-                      f"failed {run.num_failed} wall {run.wall_s:.1f}s load {load}")
+                      f"failed {run.num_failed} wall {run.wall_s:.1f}s load {load}", flush=True)
     return rows
 
 
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=2400)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--routers", default=",".join(ROUTERS))
-    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=8, help="offered load of the open mode (x service rate)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     import torch

@@ -12,7 +12,8 @@ registered one), called exactly as :func:`~servelab.cluster.simulate_cluster` ca
 so a routing idea runs on the simulator and on real engines with one code path.
 
 **Admission.** :meth:`Replicas.run` routes requests in arrival order and keeps at most
-``max_in_flight`` of them in the cluster (a closed loop; ``None``: all at once). With
+``max_in_flight`` of them in the cluster (a closed loop; ``None``: all at once), or
+routes each at its ``arrival_times`` entry (an open loop, as the simulator's arrivals). With
 ``max_in_flight=1`` every request is routed after the previous one ended and its events
 arrived: a deterministic run, the same as the simulator fed arrivals far enough apart
 (:func:`sequential_arrivals`), which is how ``bench/parallel.py`` compares the two.
@@ -229,9 +230,11 @@ class Replicas:
 
     def run(self, prompts: Sequence[Sequence[int]], params: Any, *, router: Any = "round_robin",
             router_kwargs: dict[str, Any] | None = None, max_in_flight: int | None = None,
-            request_ids: Sequence[str] | None = None) -> ReplicaRun:
+            arrival_times: Sequence[float] | None = None, request_ids: Sequence[str] | None = None) -> ReplicaRun:
         """Route and serve ``prompts`` (token ids, in arrival order) with ``params`` (one
-        :class:`~servelab.SamplingParams` or one per prompt); see the module docstring."""
+        :class:`~servelab.SamplingParams` or one per prompt); see the module docstring.
+        ``arrival_times`` (seconds after the call, non-decreasing): request ``i`` is routed
+        no earlier than ``arrival_times[i]`` (an open loop, as the simulator's arrivals)."""
         router_obj = get_router(router, **(router_kwargs or {})) if isinstance(router, str) else get_router(router)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -243,6 +246,9 @@ class Replicas:
         if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
                                           or max_in_flight < 1):
             raise ValueError(f"max_in_flight={max_in_flight!r} is invalid; valid: None or an int >= 1")
+        if arrival_times is not None and (len(arrival_times) != len(prompts)
+                                          or any(b < a for a, b in zip(arrival_times, arrival_times[1:]))):
+            raise ValueError(f"arrival_times must be {len(prompts)} non-decreasing seconds, one per prompt")
         results: dict[str, RoutedOutput] = {}
         routed = [0] * len(self.replicas)
         start, nxt = time.monotonic(), 0
@@ -250,7 +256,9 @@ class Replicas:
         while len(results) < len(prompts):
             in_flight = sum(len(r.in_flight) for r in self.replicas)
             batches: dict[int, list[Any]] = {}
-            while nxt < len(prompts) and in_flight < limit:
+            now = time.monotonic() - start
+            while nxt < len(prompts) and in_flight < limit and (arrival_times is None
+                                                                 or arrival_times[nxt] <= now):
                 rid, prompt = ids[nxt], list(prompts[nxt])
                 rep = self._route(router_obj, rid, prompt, plist[nxt], results)
                 if rep is not None:
@@ -260,7 +268,10 @@ class Replicas:
                 nxt += 1
             for index, batch in batches.items():
                 self._send(self.replicas[index], ("add", batch), results)
-            self._poll(results)
+            wait_s = HEARTBEAT_S
+            if arrival_times is not None and nxt < len(prompts):
+                wait_s = min(wait_s, max(0.0, arrival_times[nxt] - (time.monotonic() - start)))
+            self._poll(results, wait_s, idle=arrival_times is not None)
         wall = time.monotonic() - start
         name = router if isinstance(router, str) else type(router).__name__
         return ReplicaRun(name, [results[rid] for rid in ids], routed, wall)
@@ -289,13 +300,17 @@ class Replicas:
         except OSError as exc:
             self._fail(rep, f"replica {rep.index} cannot be reached ({exc})", results)
 
-    def _poll(self, results: dict[str, RoutedOutput]) -> None:
+    def _poll(self, results: dict[str, RoutedOutput], wait_s: float = HEARTBEAT_S, idle: bool = False) -> None:
+        """Take the replicas' step messages for up to ``wait_s``; with nothing in flight, sleep
+        ``wait_s`` when ``idle`` (an open loop waiting for its next arrival), else return."""
         live = self._live()
         if not any(r.in_flight for r in live):
+            if idle:
+                time.sleep(wait_s)
             return
         handles = {r.conn: r for r in live}
         sentinels = {r.proc.sentinel: r for r in live}
-        for handle in wait([*handles, *sentinels], timeout=HEARTBEAT_S):
+        for handle in wait([*handles, *sentinels], timeout=wait_s):
             if handle in sentinels:
                 rep = sentinels[handle]
                 rep.proc.join(1.0)
