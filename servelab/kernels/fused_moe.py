@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from servelab.kernels._triton_utils import require_launchable
+from servelab.kernels._triton_utils import dot_in_fp32, is_interpreted, require_launchable
 from servelab.moe.experts import check_experts_args, moe_align_block_size
 
 __all__ = ["fused_experts", "BLOCK_M"]
@@ -50,7 +50,8 @@ def _act(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, hidden, inter,
                     stride_xt, stride_we, stride_wn, stride_ot, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    UPCAST: tl.constexpr = False):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
@@ -68,6 +69,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, n
         wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None],
                      mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong: dot in float32 there
+            x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         if IEEE:
             gate += tl.dot(x, wg, input_precision="ieee")
             up += tl.dot(x, wu, input_precision="ieee")
@@ -82,7 +85,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, n
 @triton.jit
 def _down_kernel(a_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, hidden, inter,
                  stride_at, stride_we, stride_wn, stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr = False):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
@@ -97,6 +100,8 @@ def _down_kernel(a_ptr, w2_ptr, weights_ptr, out_ptr, sorted_ids_ptr, block_expe
         k_ok = ks < inter
         a = tl.load(a_ptr + rows[:, None] * stride_at + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
@@ -124,17 +129,18 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     sorted_ids, block_expert, padded = moe_align_block_size(topk_ids, BLOCK_M, w13.shape[0])
     num_blocks = padded // BLOCK_M
     ieee = x.dtype == torch.float32
+    upcast = dot_in_fp32(x.dtype, is_interpreted(_gate_up_kernel))
     act = hidden_states.new_empty(num_pairs, inter)
     block_n, block_k = _block(inter, 64), _block(hidden, 64)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w13c, act, sorted_ids, block_expert, num_pairs, hidden, inter, x.stride(0), w13c.stride(0),
         w13c.stride(1), act.stride(0), TOP_K=top_k, ACTIVATION=0 if activation == "silu" else 1,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, UPCAST=upcast)
     pairs_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # -1 pairs: no block
     weights = topk_weights.reshape(-1).float().contiguous()
     block_n, block_k = _block(hidden, 64), _block(inter, 64)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w2c, weights, pairs_out, sorted_ids, block_expert, num_pairs, hidden, inter, act.stride(0),
         w2c.stride(0), w2c.stride(1), pairs_out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=ieee)
+        IEEE=ieee, UPCAST=upcast)
     return pairs_out.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)

@@ -135,10 +135,11 @@ def main() -> int:
     moe_index = dict(sorted_ids_ptr="i64", block_expert_ptr="i64")
     attempt("fused_moe gate/up + silu bf16 (top-8)", lambda: compile_kernel(
         moe._gate_up_kernel, dict(moe_index, x_ptr="bf16", w13_ptr="bf16", out_ptr="bf16"), {},
-        dict(TOP_K=8, ACTIVATION=0, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, IEEE=False), target, num_warps=4))
+        dict(TOP_K=8, ACTIVATION=0, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, IEEE=False, UPCAST=False), target,
+        num_warps=4))
     attempt("fused_moe down x routing weight bf16", lambda: compile_kernel(
         moe._down_kernel, dict(moe_index, a_ptr="bf16", w2_ptr="bf16", weights_ptr="fp32", out_ptr="fp32"), {},
-        dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, IEEE=False), target, num_warps=4))
+        dict(BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, IEEE=False, UPCAST=False), target, num_warps=4))
     for result in results:
         print(json.dumps(result))
     return 0 if all(r["ok"] for r in results) else 1

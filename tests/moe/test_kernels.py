@@ -149,3 +149,20 @@ def test_bad_input_names_the_argument():
         grouped_topk(torch.randn(2, 8), 2, renormalize=True, num_expert_group=3, topk_group=1)
     with pytest.raises(ValueError, match="block_size=0"):
         moe_align_block_size(ids, 0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["cpu", "triton"])
+def test_half_precision_experts_stay_near_the_float64_loop(kernel, dtype):
+    """Half-precision weights and activations: within the half type's rounding of the float64 loop
+    (the Triton kernel accumulates in float32; under the interpreter its bf16 dots run in float32)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 32, generator=gen, dtype=torch.float64)
+    w13, w2 = _weights(6, 32, 16, gen, torch.float64)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=gen, dtype=torch.float64)
+    want = ref.fused_experts(x, w13, w2, weights, ids)
+    fn = get_experts_kernel(kernel)
+    got = fn(x.to(dtype), w13.to(dtype), w2.to(dtype), weights.float(), ids)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
