@@ -1,0 +1,271 @@
+"""Quantized weights study: a GGUF checkpoint run natively vs dequantized to float32, online int8 /
+w4a16 on the float32 weights, and llama.cpp on the same file, in one run.
+
+Variants (``implementation`` of the rows, ``component=quant_weights``):
+
+- ``float32``: the ``.gguf`` dequantized at load (``quantization=None``; the same weights as the
+  converted float32 folder);
+- ``gguf``: the file's blocks kept (``quantization="auto"``: SmolLM2 Q4_1 + Q8_0 tied head; Gemma 3
+  Q4_K_M's Q5_0 / Q4_K / Q6_K / Q8_0);
+- ``int8`` / ``w4a16``: online quantization of the float32 weights (``w4a16`` with group 128 where it
+  divides every width, else 32: SmolLM2's 576 takes 32);
+- ``llama.cpp``: ``llama-cpp-python`` on the same file, same prompts and thread counts, greedy
+  (bench environment only: ``pip install llama-cpp-python``; skipped with a note when missing).
+
+Metrics: ``ppl`` / ``ppl_ratio`` / ``kl_mean`` / ``top1_agreement`` teacher-forced over real text
+(``bench/data/kv_quant_text.txt``) against ``float32``; ``greedy_equal`` (of 16 demo prompts, 32
+tokens); ``peak_rss`` (MiB, a fresh subprocess loading the model and generating 8 tokens);
+``decode_tok_s`` at batch 1, 4 and 16 (16 tokens of prompt, 32 generated, EOS ignored) and
+``prefill_tok_s`` (one 512-token prompt), at each ``--threads`` count; llama.cpp serves the 16
+requests one after another (``aggregate_tok_s``), as a single-stream engine does. Every timed row
+records ``os.getloadavg()`` (the machine may be shared).
+
+Usage: ``python bench/quant_weights.py [--model smollm2|gemma3-270m] [--threads 1,2] [--parts acc,speed,rss]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from options import comma_separated  # noqa: E402
+from results_io import append_rows, make_row  # noqa: E402
+
+TEXT = Path(__file__).parent / "data" / "kv_quant_text.txt"
+BATCHES = (1, 4, 16)
+NEW_TOKENS = 32
+
+
+def gguf_path(name: str) -> Path:
+    from servelab.models import hub
+
+    if name == "smollm2":
+        return hub.fetch_smollm2_gguf()
+    if name == "gemma3-270m":
+        return hub.fetch_gemma3_270m_gguf()
+    return Path(name)
+
+
+def online_w4a16(model_name: str) -> str:
+    return "w4a16-g32" if model_name == "smollm2" else "w4a16"
+
+
+def build(variant: str, path: Path, model_name: str, float_model=None):
+    """A pipeline of ``variant`` (online methods quantize ``float_model``, else a fresh float32 load, in place)."""
+    from servelab import Pipeline
+
+    common = {"max_num_seqs": 16}
+    if variant == "gguf":
+        return Pipeline.from_pretrained(path, **common)
+    if variant == "float32":
+        return Pipeline.from_pretrained(path, quantization=None, **common)
+    from servelab.models import load_model, load_tokenizer
+
+    setting = "int8" if variant == "int8" else online_w4a16(model_name)
+    model = float_model if float_model is not None else load_model(path)[0]  # quantized in place
+    return Pipeline(model, load_tokenizer(path), quantization=setting, **common)
+
+
+@torch.no_grad()
+def sequence_logits(model, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+    from servelab.models import allocate_kv_caches, prepare_inputs
+
+    num_blocks = -(-len(tokens) // block_size) + 1
+    caches = allocate_kv_caches(model, num_blocks, block_size)
+    ids, pos, meta = prepare_inputs([tokens], [0], [list(range(1, num_blocks))], block_size)
+    model.reset_attention_state()
+    return model.compute_logits(model(ids, pos, caches, meta)).float()
+
+
+def text_metrics(ref: list[torch.Tensor], got: list[torch.Tensor], seqs: list[list[int]]) -> dict[str, float]:
+    nll, kl, agree, count = 0.0, 0.0, 0, 0
+    for r, g, tokens in zip(ref, got, seqs):
+        target = torch.tensor(tokens[1:])
+        log_r, log_g = torch.log_softmax(r[:-1].double(), -1), torch.log_softmax(g[:-1].double(), -1)
+        nll += float(-log_g.gather(1, target[:, None]).sum())
+        kl += float((log_r.exp() * (log_r - log_g)).sum())
+        agree += int((r[:-1].argmax(-1) == g[:-1].argmax(-1)).sum())
+        count += target.shape[0]
+    return {"ppl": float(torch.exp(torch.tensor(nll / count))), "kl_mean": kl / count, "top1": agree / count}
+
+
+def demo_prompts(tokenizer) -> list[list[int]]:
+    from servelab.cli.demo import demo_prompts as make
+
+    return make(tokenizer, random.Random(0), 16)
+
+
+def timed_generate(pipe, prompts, max_tokens: int) -> tuple[float, int]:
+    from servelab import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = pipe.generate(prompts, params)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+
+
+def speed_rows(pipe, variant: str, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+    rows = []
+    pipe.generate(short[:2], None)  # warm: kernels built, caches touched
+    for batch in BATCHES:
+        wall, tokens = timed_generate(pipe, short[:batch], NEW_TOKENS)
+        load = os.getloadavg()[0]
+        rows.append(make_row("quant_weights", variant, "decode_tok_s", "tok/s", tokens / wall,
+                             params=dict(common, batch=batch, threads=threads, loadavg=load)))
+        print(f"  {variant:9s} t={threads} batch={batch:2d} decode {tokens / wall:7.1f} tok/s (load {load:.1f})",
+              flush=True)
+    wall, _ = timed_generate(pipe, [long_prompt], 1)
+    load = os.getloadavg()[0]
+    rows.append(make_row("quant_weights", variant, "prefill_tok_s", "tok/s", len(long_prompt) / wall,
+                         params=dict(common, prompt_tokens=len(long_prompt), threads=threads, loadavg=load)))
+    print(f"  {variant:9s} t={threads} prefill {len(long_prompt) / wall:7.1f} tok/s", flush=True)
+    return rows
+
+
+def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("  llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python); skipped", flush=True)
+        return []
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
+    eos = llm.token_eos()
+
+    def one(prompt: list[int]) -> tuple[float, int]:
+        llm.reset()
+        start = time.perf_counter()
+        made = 0
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            made += 1
+            if made >= NEW_TOKENS:
+                break
+            del token
+        return time.perf_counter() - start, made
+
+    one(short[0])  # warm
+    rows = []
+    walls = [one(p) for p in short]
+    load = os.getloadavg()[0]
+    wall, tokens = walls[0]
+    rows.append(make_row("quant_weights", "llama.cpp", "decode_tok_s", "tok/s", tokens / wall,
+                         params=dict(common, batch=1, threads=threads, loadavg=load, eos_ignored=False)))
+    total = sum(w for w, _ in walls)
+    made = sum(n for _, n in walls)
+    rows.append(make_row("quant_weights", "llama.cpp", "aggregate_tok_s", "tok/s", made / total,
+                         params=dict(common, requests=len(short), threads=threads, loadavg=load,
+                                     served="one after another")))
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(long_prompt)
+    prefill = len(long_prompt) / (time.perf_counter() - start)
+    rows.append(make_row("quant_weights", "llama.cpp", "prefill_tok_s", "tok/s", prefill,
+                         params=dict(common, prompt_tokens=len(long_prompt), threads=threads,
+                                     loadavg=os.getloadavg()[0])))
+    print(f"  llama.cpp t={threads} batch=1 decode {tokens / wall:7.1f} tok/s, 16 one after another "
+          f"{made / total:7.1f} tok/s, prefill {prefill:7.1f} tok/s (eos id {eos})", flush=True)
+    return rows
+
+
+def rss_child(variant: str, path: Path, model_name: str) -> None:
+    """Runs in a fresh process: load ``variant``, generate 8 tokens, print peak RSS (MiB)."""
+    torch.set_num_threads(1)
+    if variant == "llama.cpp":
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(path), n_ctx=2048, n_threads=1, verbose=False)
+        llm.create_completion("The cache", max_tokens=8, temperature=0)
+    else:
+        from servelab import SamplingParams
+
+        pipe = build(variant, path, model_name)
+        pipe.generate(["The cache"], SamplingParams(temperature=0, max_tokens=8))
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def rss_rows(path: Path, model_name: str, variants: list[str], common) -> list:
+    rows = []
+    for variant in variants:
+        done = subprocess.run([sys.executable, __file__, "--model", model_name, "--rss-child", variant],
+                              capture_output=True, text=True, timeout=1800)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            print(f"  rss {variant}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
+            continue
+        mib = json.loads(lines[-1])["peak_rss_mib"]
+        rows.append(make_row("quant_weights", variant, "peak_rss", "MiB", mib, params=common))
+        print(f"  {variant:9s} peak RSS {mib:7.0f} MiB", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=comma_separated(int), default=[1, 2])
+    parser.add_argument("--parts", default="acc,speed,rss")
+    parser.add_argument("--text-tokens", type=int, default=2048)
+    parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    path = gguf_path(args.model)
+    if args.rss_child:
+        rss_child(args.rss_child, path, args.model)
+        return 0
+    from servelab import SamplingParams
+
+    parts = set(args.parts.split(","))
+    common = {"model": args.model, "file": path.name}
+    torch.set_num_threads(1)
+    variants = ["float32", "gguf", "int8", "w4a16"]
+    pipes = {"float32": build("float32", path, args.model)}
+    for variant in variants[1:]:
+        pipes[variant] = build(variant, path, args.model)
+    print({v: repr(p.config.quantization)[:200] for v, p in pipes.items()}, flush=True)
+    tokenizer = pipes["float32"].tokenizer
+    prompts = demo_prompts(tokenizer)
+    rows: list = []
+    if "acc" in parts:
+        ids = tokenizer.encode(TEXT.read_text())[:args.text_tokens + 1]
+        seqs = [ids[i:i + 256] for i in range(0, len(ids) - 1, 256) if len(ids[i:i + 256]) > 16]
+        logits = {v: [sequence_logits(p.model, s) for s in seqs] for v, p in pipes.items()}
+        greedy = SamplingParams(temperature=0, max_tokens=32)
+        outs = {v: [o.token_ids for o in p.generate(prompts, greedy)] for v, p in pipes.items()}
+        base = text_metrics(logits["float32"], logits["float32"], seqs)
+        for variant in variants:
+            m = text_metrics(logits["float32"], logits[variant], seqs)
+            equal = sum(a == b for a, b in zip(outs[variant], outs["float32"]))
+            params = dict(common, text_tokens=sum(len(s) - 1 for s in seqs), seq_len=256)
+            for metric, unit, value in (("ppl", "ppl", m["ppl"]), ("ppl_ratio", "ratio", m["ppl"] / base["ppl"]),
+                                        ("kl_mean", "nats", m["kl_mean"]), ("top1_agreement", "fraction", m["top1"])):
+                rows.append(make_row("quant_weights", variant, metric, unit, value, params=params))
+            rows.append(make_row("quant_weights", variant, "greedy_equal", "prompts", equal,
+                                 params=dict(common, prompts=16, max_tokens=32)))
+            print(f"{variant:9s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} kl={m['kl_mean']:.2e} "
+                  f"top1={m['top1']:.4f} greedy={equal}/16", flush=True)
+    if "speed" in parts:
+        short = [p[:16] for p in prompts]
+        long_prompt = tokenizer.encode(TEXT.read_text())[:512]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for variant in variants:
+                rows += speed_rows(pipes[variant], variant, short, long_prompt, threads, common)
+            rows += llama_cpp_rows(path, short, long_prompt, threads, common)
+        torch.set_num_threads(1)
+    if "rss" in parts:
+        del pipes
+        rows += rss_rows(path, args.model, variants + ["llama.cpp"], common)
+    append_rows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
