@@ -29,7 +29,7 @@ def start_executor(executor: Executor, pipeline: Any) -> Executor:
     """Start ``executor``'s workers for ``pipeline`` (its resolved pool, limits and sampler)."""
     if pipeline.kv_cache_groups is not None:
         raise ValueError(f"the {executor.name!r} executor runs one KV-cache group; this model's manager has "
-                         f"{len(pipeline.kv_cache_groups)} (pass kv_cache_groups='off')")
+                         f"{len(pipeline.kv_cache_groups)} (pass kv_cache_groups='uniform')")
     model = pipeline.model
     config = pipeline.config.replace(distributed_executor_backend=executor.name)  # an object does not pickle
     spec = WorkerSpec(source=ModelSource.of(model), config=config, max_model_len=pipeline.max_model_len,
