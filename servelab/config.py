@@ -150,6 +150,14 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_CACHE_SCALES = ("tensor", "head", "token_head")
 
 
+def _kv_cache_dtypes() -> tuple[str, ...]:
+    """:data:`KV_CACHE_DTYPES` and any page format registered since
+    (:func:`servelab.blocks.kv_quant.register_kv_cache_dtype`)."""
+    from servelab.blocks.kv_quant import available_kv_cache_dtypes
+
+    return tuple(dict.fromkeys((*KV_CACHE_DTYPES, *available_kv_cache_dtypes())))
+
+
 def _choice(section: str, name: str, value: object, valid: tuple[str, ...]) -> None:
     if value not in valid:
         raise (TypeError if not isinstance(value, str) else ValueError)(
@@ -204,7 +212,7 @@ class CacheConfig:
     kv_cache_scale: str | None = None
 
     def __post_init__(self) -> None:
-        _choice("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, _kv_cache_dtypes())
         if self.kv_cache_scale is not None:
             _choice("CacheConfig", "kv_cache_scale", self.kv_cache_scale, KV_CACHE_SCALES)
             if self.kv_cache_dtype == "auto":
