@@ -8,7 +8,8 @@ logical experts and ``P = E + num_redundant_experts`` physical slots
 - ``logical_to_physical_map`` int64 ``[L, E, P - E + 1]`` (``-1`` for absent replicas);
 - ``logical_replica_count`` int64 ``[L, E]``;
 - ``expert_load_pass`` int64 ``[L, P]``: pairs routed to each slot by the current step;
-- ``expert_load_window`` int64 ``[window, L, P]``: the last ``window`` steps' loads (a ring).
+- ``expert_load_window`` int64 ``[window, L, P]``: the last ``window`` steps' loads (a ring);
+  both on the experts' device (counted without a host sync), the maps on the host.
 
 Every ``rearrange_interval`` steps (:meth:`step`) the window's physical load
 is mapped back to logical experts, summed across ranks (``all_reduce`` over
@@ -121,7 +122,7 @@ class EplbModelState:
 
     def logical_load(self) -> torch.Tensor:
         """int64 ``[L, E]``: the window's load per logical expert (summed over ranks when a group is set)."""
-        physical = self.expert_load_window.sum(dim=0)
+        physical = self.expert_load_window.sum(dim=0).cpu()  # the window lives on the experts' device
         logical = torch.zeros(physical.shape[0], self.num_logical_experts, dtype=torch.int64)
         logical.scatter_add_(1, self.physical_to_logical_map, physical)
         if self.group is not None:
@@ -227,8 +228,9 @@ def enable_eplb(model: torch.nn.Module, *, num_redundant_experts: int = 0, num_r
         raise ValueError(f"skip_threshold={skip_threshold!r} must be in [0, 1)")
     get_eplb_policy(policy)
     phy2log, log2phy, logcnt = _initial_placement(len(blocks), experts, slots)
-    state = EplbModelState(phy2log, log2phy, logcnt, torch.zeros(len(blocks), slots, dtype=torch.int64),
-                           torch.zeros(window_size, len(blocks), slots, dtype=torch.int64), num_ranks,
+    device = blocks[0][1].experts.gate_up_proj.device  # loads are counted where the routing runs: no sync
+    state = EplbModelState(phy2log, log2phy, logcnt, torch.zeros(len(blocks), slots, dtype=torch.int64, device=device),
+                           torch.zeros(window_size, len(blocks), slots, dtype=torch.int64, device=device), num_ranks,
                            rearrange_interval, float(skip_threshold), policy, num_groups, num_nodes, group,
                            [block.experts for _, block in blocks])
     for layer, ex in enumerate(state.experts):  # physical storage: slot p holds expert p mod E
