@@ -170,7 +170,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--output", type=int, default=32)
-    parser.add_argument("--budget", type=int, default=3 << 20, help="KV pool bytes of the workload")
+    parser.add_argument("--budget", type=int, default=18 << 20, help="KV pool bytes of the workload")
     args = parser.parse_args()
     global _clock
     _clock = CLOCK[args.clock]

@@ -105,7 +105,7 @@ static inline float exp_nonpositive(float x) {
          ++p, (++offset == (block_size) ? (offset = 0, ++block_index_,                                     \
                                            block = p < (len) ? (table)[block_index_] : 0) : 0))
 
-static void attend_head(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
+static inline __attribute__((always_inline)) void attend_head(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
                         const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
                         const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
                         int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format, float scale,
@@ -168,10 +168,23 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
         const int64_t r = x / kv_heads, h = x % kv_heads;
         const int64_t len = seq_lens[r];
         const int64_t begin = window > 0 && len > window ? len - window : 0;
-        attend_head(q + r * q_row_stride + h * group * head_size, k_cache, v_cache, cache_strides, k_scale,
-                    v_scale, scale_strides, block_table + r * table_stride, begin, len, h, group, head_size,
-                    block_size, format, scale, scores + x * group * width, width,
-                    out + (r * kv_heads + h) * group * head_size);
+        const float* qh = q + r * q_row_stride + h * group * head_size;
+        const int32_t* table = block_table + r * table_stride;
+        float* sh = scores + x * group * width;
+        float* oh = out + (r * kv_heads + h) * group * head_size;
+        /* the common head sizes as compile-time constants: fully unrolled row conversions and dots */
+        if (head_size == 64 && format == 1)
+            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
+                        group, 64, block_size, 1, scale, sh, width, oh);
+        else if (head_size == 128 && format == 1)
+            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
+                        group, 128, block_size, 1, scale, sh, width, oh);
+        else if (head_size == 64)
+            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
+                        group, 64, block_size, format, scale, sh, width, oh);
+        else
+            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
+                        group, head_size, block_size, format, scale, sh, width, oh);
     }
     return 0;
 }
