@@ -12,7 +12,8 @@ gets the full logits and samples the same tokens). The attention modules and
 ``model.config`` are updated to the local head counts, so the KV cache each rank
 allocates holds only its heads (the driver's block ids index every rank's pool).
 
-:func:`split_stages` keeps one pipeline stage's layers: the first stage embeds, a later
+:func:`split_stages` (run after :func:`shard_model`, so a stage's head is already the
+rank's vocab-parallel one) keeps one pipeline stage's layers: the first stage embeds, a later
 stage receives the previous stage's hidden states ``[T, hidden]`` instead
 (:class:`StageInput`), a stage before the last sends its output on
 (:class:`StageOutput`) instead of the final norm, and the last stage's logits are
@@ -35,6 +36,7 @@ from servelab.executor.layers import (ColumnParallelLinear, ParallelLMHead, RowP
                                       VocabParallelEmbedding, even_split, qkv_shard_plan, slice_shard_plan,
                                       vocab_range)
 from servelab.executor.parallel_state import GroupCoordinator, ParallelState, get_parallel_state
+from servelab.models.linear import Linear
 
 __all__ = ["StageInput", "StageOutput", "check_parallel", "shard_model", "split_stages", "stage_layers"]
 
@@ -170,6 +172,12 @@ def split_stages(model: Any, parallel_state: ParallelState | None = None) -> Any
     model.config = dataclasses.replace(cfg, num_hidden_layers=end - first,
                                        sliding_windows=tuple(cfg.sliding_windows[first:end]))
     dtype, device = model.dtype, model.device
+    if pp.is_last and not pp.is_first and model.lm_head is None and "lm_head_gemm" not in model.__dict__:
+        # a tied head reads the embedding, which this stage replaces: keep the weight as its own head
+        head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        head.weight = model.model.embed_tokens.weight
+        head.pack_weights = bool(getattr(model, "pack_weights", True))
+        model.lm_head = head
     if not pp.is_first:
         model.model.embed_tokens = StageInput(pp, cfg.hidden_size, dtype, device)
     if not pp.is_last:

@@ -3,9 +3,9 @@
 A :class:`WorkerSpec` is everything a rank needs, sent once when the worker starts
 (pickled; the model's weights as a :class:`ModelSource` whose tensors travel through
 shared memory, not copies). :func:`build_worker_runner` makes the rank's runner the way
-the pipeline makes its own: the stage's layers (:func:`~servelab.executor.sharding.split_stages`),
-then :func:`~servelab.pipeline.setup.prepare_model` with the rank's
+the pipeline makes its own: :func:`~servelab.pipeline.setup.prepare_model` with the rank's
 :class:`~servelab.executor.parallel_state.ParallelState` (sharding, quantization, LoRA),
+then the stage's layers (:func:`~servelab.executor.sharding.split_stages`),
 the attention backend, this rank's KV pages (``num_blocks`` pages of its own heads and
 layers: the driver's block ids index every rank's pool alike), the drafter and a
 :class:`~servelab.pipeline.runner.ModelRunner`.
@@ -88,8 +88,8 @@ def build_worker_runner(spec: WorkerSpec, state: ParallelState) -> Any:
     from servelab.samplers.verifiers import get_verifier
 
     config = spec.config
-    model = split_stages(spec.source.build(spec.device), state)
-    model = prepare_model(model, config, parallel_state=state, rank=state.rank)
+    model = prepare_model(spec.source.build(spec.device), config, parallel_state=state, rank=state.rank)
+    model = split_stages(model, state)  # after sharding: the last stage keeps the sharded head
     model.check_inputs = False
     attach_attention(model, config.attention_backend, spec.block_size)
     kv_caches = allocate_kv_caches(model, spec.num_blocks, spec.block_size, dtype=spec.kv_cache_dtype)

@@ -51,3 +51,18 @@ def test_replicas_refuse_bad_settings_before_any_process_starts(tiny):
     with pytest.raises(TypeError):
         Replicas(tiny, 2, not_a_setting=1)
     assert multiprocessing.active_children() == []
+
+
+def test_last_stage_of_a_tied_model_keeps_the_embedding_as_its_head(tmp_path):
+    """Regression: a later stage replaces the embedding, so a tied head must keep its weight."""
+    import torch
+
+    from servelab.executor.parallel_state import ParallelState
+    from servelab.executor.sharding import StageInput, split_stages
+    from servelab.models import load_model
+
+    model, _ = load_model(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True, num_hidden_layers=3))
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    stage = split_stages(model, ParallelState.simulated(1, 1, 2))  # rank 1 of 2 stages: the last
+    assert isinstance(stage.model.embed_tokens, StageInput) and len(stage.model.layers) == 1
+    assert stage.config.num_hidden_layers == 1 and torch.equal(stage.lm_head.weight, embedding)
