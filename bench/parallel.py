@@ -34,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def _model_path(name: str) -> Path:
         return Path(fetch_smollm2())
     from servelab.models import build_tiny_model
 
-    return build_tiny_model(Path("bench/data/parallel-tiny"), max_position_embeddings=2048,
+    return build_tiny_model(Path(tempfile.gettempdir()) / "servelab-bench-parallel-tiny", max_position_embeddings=2048,
                             hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
                             head_dim=32, num_hidden_layers=4)
 
@@ -145,7 +146,8 @@ def run_dp(args: argparse.Namespace) -> list[dict]:
     requests = _dp_requests(args)
     prompts = [p for p, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
-    path = build_tiny_model(Path("bench/data/parallel-dp-tiny"), max_position_embeddings=2048)
+    folder = Path(tempfile.gettempdir()) / "servelab-bench-parallel-dp-tiny"
+    path = build_tiny_model(folder, max_position_embeddings=2048)
     rows = []
     base = {"trace": "mooncake_conversation", "num_requests": len(requests), "replicas": args.replicas,
             "num_blocks": args.num_blocks, "block_size": 8, "tokens_per_source_block": 8}

@@ -202,8 +202,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """This rank's vocabulary rows of the LM head ``[V, H]``; ``hidden [n, H]`` -> the full float32
-    logits ``[n, V]`` (:meth:`gather`: in the model dtype) (each rank's ``[n, size]`` GEMM, then an all-gather; ranks with fewer rows
-    are padded to the widest and the padding dropped)."""
+    logits ``[n, V]`` (:meth:`gather`: in the model dtype): each rank's ``[n, size]`` GEMM, then an
+    all-gather; ranks with fewer rows are padded to the widest and the padding dropped."""
 
     tp: GroupCoordinator
 
