@@ -124,3 +124,24 @@ def test_calibrated_static_scales_beat_the_default_and_round_trip(tiny, auto_out
     token_head = Pipeline.from_pretrained(tiny, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="no static scales to calibrate"):
         calibrate_kv_scales(token_head, PROMPTS)
+
+
+@pytest.mark.parametrize("scale", ["token_head", "head"])
+def test_hybrid_groups_store_quantized_pages(tmp_path_factory, scale):
+    """Gemma 2 (alternating sliding-window / full layers): one KV-cache group per kind in one shared
+    buffer, int8 pages in every group, static scales per model layer; the same tokens as one uniform
+    group over the same quantized pages (the windows then applied as masks only)."""
+    path = build_tiny_model(tmp_path_factory.mktemp("kvq-g2") / "g2", arch="gemma2")
+    results = []
+    for groups in ("auto", "uniform"):
+        pipe = Pipeline.from_pretrained(path, kv_cache_dtype="int8", kv_cache_scale=scale, attention_backend="torch",
+                                        block_size=4, kv_cache_groups=groups)
+        assert (pipe.kv_cache_groups is not None) == (groups == "auto")
+        assert all(view[0].dtype == torch.int8 and len(view) == 4 for view in pipe.kv_caches.views)
+        if scale == "head":
+            static = pipe.kv_caches.static_scales
+            assert static.shape[0] == pipe.model.config.num_hidden_layers
+            static.copy_(torch.linspace(0.01, 0.05, static.numel()).view_as(static))
+        prompt = list(range(3, 30))  # longer than the tiny Gemma 2's window
+        results.append(pipe.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].token_ids)
+    assert results[0] == results[1] and len(results[0]) == 6
