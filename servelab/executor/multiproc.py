@@ -260,8 +260,8 @@ class MultiprocExecutor(Executor):
                 rank = by_handle[handle]
                 try:
                     got, status, value = self._conns[rank].recv()
-                except (EOFError, OSError):
-                    raise self._fail(f"worker rank {rank} closed its pipe (it died)") from None
+                except (EOFError, OSError):  # its pipe closed: it is exiting (the sentinel may come later)
+                    raise self._fail(self._death_reason(rank)) from None
                 if got != seq:
                     continue  # the answer to a message whose wait was interrupted
                 if status == "error":
