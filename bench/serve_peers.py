@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -55,7 +56,7 @@ def _smollm2() -> Path:
 def _payloads(n: int, prompt_words: int, max_tokens: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"model": "m", "prompt": "Write a long story about " + " ".join(rng.choice(WORDS) for _ in range(prompt_words)),
-             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+             "max_tokens": max_tokens, "temperature": 0, "stream": True}  # no ignore_eos: transformers refuses it
             for _ in range(n)]
 
 
@@ -67,6 +68,9 @@ def _start(engine: str, path: Path, port: int, threads: int) -> subprocess.Popen
     else:
         cmd = [str(Path(sys.executable).with_name("transformers")), "serve", str(path), "--continuous-batching",
                "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+               # a KV cache for 64 contexts of 256 tokens: its default sizes the cache from free memory,
+               # which got its model process OOM-killed on this shared machine
+               "--cb-block-size", "256", "--cb-num-blocks", "68", "--cb-max-batch-tokens", "2048",
                "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
@@ -97,10 +101,12 @@ def _model_name(engine: str, path: Path) -> str:
 
 def _rows(engine: str, rate: float, results, wall: float, tokenizer, params: dict) -> list[dict]:
     ok = [r for r in results if r.status == 200 and r.ttft is not None]
+    if not ok:
+        raise RuntimeError(f"{engine}: no request succeeded at rate {rate}; first error: {results[0].error}")
     tokens = sum(len(tokenizer.encode(r.text, add_special_tokens=False)) for r in ok)
     load = os.getloadavg()[0]
     p = {**params, "rate": "inf" if rate == float("inf") else rate, "ok": len(ok), "sent": len(results),
-         "loadavg_1m": round(load, 2)}
+         "loadavg_1m": round(load, 2), "mean_output_tokens": round(tokens / max(1, len(ok)), 1)}
     rows = [make_row(COMPONENT, engine, "output_throughput", "tok/s", tokens / wall, params=p)]
     for metric, samples in (("ttft", [r.ttft for r in ok]), ("itl", [x for r in ok for x in r.itl]),
                             ("e2e", [r.e2e for r in ok])):
@@ -135,7 +141,8 @@ def sweep(args, path: Path) -> None:
                 rows = _rows(engine, rate, results, wall, tokenizer, params)
                 append_rows(rows)
                 by = {r["metric"]: r["value"] for r in rows}
-                print(f"{engine:12s} rate {rate:>5}: {by['output_throughput']:.1f} tok/s, TTFT p50 "
+                print(f"{engine:12s} rate {rate:>5}: {by['output_throughput']:.1f} tok/s "
+                      f"({json.loads(rows[0]['params'])['mean_output_tokens']} tokens a request), TTFT p50 "
                       f"{by.get('ttft', float('nan')):.3f} s, ITL p50 {by.get('itl', float('nan')):.4f} s, "
                       f"{sum(r.status == 200 for r in results)}/{len(results)} ok, load {os.getloadavg()[0]:.2f}",
                       flush=True)
@@ -157,7 +164,7 @@ def overhead(args, path: Path) -> None:
     port = free_port()
     proc = _start("servelab", path, port, args.threads)
     pipe = Pipeline.from_pretrained(path)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
     def offline_one(prompt: str) -> tuple[float, int, float]:
         start, first, tokens = time.perf_counter(), None, 0
@@ -247,6 +254,41 @@ def storm(args, path: Path) -> None:
           f"{len(report.wrong_answers)}, malformed/wrong-type/too-long all 400: {bad_ok}; load {load}")
 
 
+def plot(out: Path | None = None) -> Path:
+    """Output tokens/s and TTFT p50 (p20..p80 bars) against the offered rate, one line per engine,
+    from the latest sweep row of each (engine, rate): bench/results/serve_peers.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from results_io import RESULTS_CSV, read_rows
+
+    latest: dict[tuple[str, str, str], dict] = {}
+    for row in read_rows(component=COMPONENT):
+        if row["metric"] in ("output_throughput", "ttft") and "rate" in row["params"]:
+            latest[(row["implementation"], row["metric"], str(row["params"]["rate"]))] = row
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in ((axes[0], "output_throughput", "output tokens/s"), (axes[1], "ttft", "TTFT p50 (s)")):
+        for engine in sorted({k[0] for k in latest}):
+            rows = sorted((r for k, r in latest.items() if k[0] == engine and k[1] == metric),
+                          key=lambda r: float("inf") if r["params"]["rate"] == "inf" else float(r["params"]["rate"]))
+            xs = [str(r["params"]["rate"]) for r in rows]
+            ys = [r["value"] for r in rows]
+            err = [[max(0.0, y - (r["p20"] if r["p20"] is not None else y)) for y, r in zip(ys, rows)],
+                   [max(0.0, (r["p80"] if r["p80"] is not None else y) - y) for y, r in zip(ys, rows)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=engine)
+        ax.set_xlabel("offered rate (requests/s; inf = all at once)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("servelab serve vs transformers serve --continuous-batching, SmolLM2-135M, CPU (loaded machine)")
+    fig.tight_layout()
+    path = out or RESULTS_CSV.parent / "serve_peers.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
@@ -259,7 +301,11 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=None, help="checkpoint folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--plot", action="store_true", help="only draw bench/results/serve_peers.png")
     args = parser.parse_args()
+    if args.plot:
+        print(f"plot: {plot()}")
+        return
     path = Path(args.model) if args.model else _smollm2()
     if not (args.sweep or args.overhead or args.storm):
         args.sweep = True
