@@ -24,9 +24,13 @@ __all__ = ["bgmv_expand", "bgmv_shrink", "sgmv_expand", "sgmv_shrink", "slot_gro
 _LAST_GROUPS: list = [None, None, None]  # the last indices tensor (held: its id is never reused), a copy, groups
 
 
-def slot_groups(indices: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
-    """``[(slot, rows)]`` for each slot present in ``indices`` ``[T]`` (``-1`` skipped);
-    ``rows`` is a slice when the slot's rows are contiguous (no gather needed). The last
+Group = tuple[int, "torch.Tensor | slice", list[slice]]
+
+
+def slot_groups(indices: torch.Tensor) -> list[Group]:
+    """``[(slot, rows, runs)]`` for each slot present in ``indices`` ``[T]`` (``-1`` skipped);
+    ``rows`` is a slice when the slot's rows are contiguous (no gather needed), else their
+    indices; ``runs``: the rows as contiguous slices (an in-place expand writes each). The last
     answer is kept for the same tensor object with the same values (a copy is compared:
     inference tensors have no version counter): a step's wrapped layers all pass the step's
     one indices tensor."""
@@ -37,39 +41,52 @@ def slot_groups(indices: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]
     return groups
 
 
-def _slot_groups(indices: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
+def _slot_groups(indices: torch.Tensor) -> list[Group]:
     if indices.numel() == 0:
         return []
     values = indices.tolist()
     groups: dict[int, list[int]] = {}
+    runs: dict[int, list[slice]] = {}
+    previous = -1
     for t, slot in enumerate(values):
         if slot >= 0:
             groups.setdefault(slot, []).append(t)
-    out: list[tuple[int, torch.Tensor | slice]] = []
+            slot_runs = runs.setdefault(slot, [])
+            if slot == previous:
+                slot_runs[-1] = slice(slot_runs[-1].start, t + 1)
+            else:
+                slot_runs.append(slice(t, t + 1))
+        previous = slot
+    out: list[Group] = []
     for slot, rows in groups.items():
-        if rows[-1] - rows[0] + 1 == len(rows):
-            out.append((slot, slice(rows[0], rows[-1] + 1)))
+        if len(runs[slot]) == 1:
+            out.append((slot, runs[slot][0], runs[slot]))
         else:
-            out.append((slot, torch.tensor(rows, dtype=torch.int64, device=indices.device)))
+            out.append((slot, torch.tensor(rows, dtype=torch.int64, device=indices.device), runs[slot]))
     return out
 
 
-def _shrink_groups(x: torch.Tensor, lora_a: torch.Tensor, groups: list[tuple[int, torch.Tensor | slice]],
-                   scale: float) -> torch.Tensor:
+def _shrink_groups(x: torch.Tensor, lora_a: torch.Tensor, groups: list[Group], scale: float) -> torch.Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros((x.shape[0], lora_a.shape[1]), dtype=acc, device=x.device)
-    for slot, rows in groups:
+    for slot, rows, _ in groups:
         part = x[rows].to(acc) @ lora_a[slot].to(acc).T
         out[rows] = part * scale if scale != 1.0 else part
     return out
 
 
-def _expand_groups(y: torch.Tensor, lora_b: torch.Tensor, groups: list[tuple[int, torch.Tensor | slice]],
-                   output: torch.Tensor, slice_offset: int, add_inputs: bool) -> torch.Tensor:
+def _expand_groups(y: torch.Tensor, lora_b: torch.Tensor, groups: list[Group], output: torch.Tensor,
+                   slice_offset: int, add_inputs: bool) -> torch.Tensor:
     size = lora_b.shape[1]
     target = output[:, slice_offset:slice_offset + size]
     acc = torch.promote_types(y.dtype, torch.float32)
-    for slot, rows in groups:
+    in_place = add_inputs and output.dtype == acc  # one pass over the output rows: addmm into each run
+    for slot, rows, runs in groups:
+        if in_place and len(runs) <= 64:
+            weight = lora_b[slot].to(acc).T
+            for run in runs:
+                target[run].addmm_(y[run].to(acc), weight)
+            continue
         delta = y[rows].to(acc) @ lora_b[slot].to(acc).T
         if add_inputs:
             delta = delta + target[rows].to(acc)
@@ -85,8 +102,9 @@ DENSE_MAX_ELEMENTS = 1 << 16
 DENSE_MIN_GROUPS = 3
 
 
-def _dense(num_rows: int, weights: torch.Tensor, num_groups: int) -> bool:
-    return num_groups >= DENSE_MIN_GROUPS and num_rows * weights.shape[0] * weights.shape[1] <= DENSE_MAX_ELEMENTS
+def _dense(num_rows: int, slots: int, rank: int, num_groups: int) -> bool:
+    """``rows x slots x rank`` (the one GEMM's inner width times its rows) small enough, and enough slots."""
+    return num_groups >= DENSE_MIN_GROUPS and num_rows * slots * rank <= DENSE_MAX_ELEMENTS
 
 
 def _shrink_dense(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
@@ -109,8 +127,12 @@ def _expand_dense(y: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, 
     valid = indices >= 0
     wide = torch.zeros((rows, slots, width), dtype=acc, device=y.device)
     wide[valid, indices[valid]] = y[valid].to(acc)
-    delta = wide.view(rows, slots * width) @ lora_b.permute(0, 2, 1).reshape(slots * width, size).to(acc)
+    every_b = lora_b.permute(0, 2, 1).reshape(slots * width, size).to(acc)
     target = output[:, slice_offset:slice_offset + size]
+    if add_inputs and output.dtype == acc:  # rows without a slot have zeros in ``wide``: adding is a no-op
+        target.addmm_(wide.view(rows, slots * width), every_b)
+        return output
+    delta = wide.view(rows, slots * width) @ every_b
     if add_inputs:
         delta += target.to(acc)
     if bool(valid.all()):
@@ -124,7 +146,7 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: torch.Tensor, sc
     """``x [T, in]``, ``lora_a [S, R, in]``, ``indices [T]`` -> ``[T, R]`` float32 (float64 for float64
     ``x``), zeros where -1."""
     groups = slot_groups(indices)
-    if _dense(x.shape[0], lora_a, len(groups)):
+    if _dense(x.shape[0], lora_a.shape[0], lora_a.shape[1], len(groups)):
         return _shrink_dense(x, lora_a, indices, scale)
     return _shrink_groups(x, lora_a, groups, scale)
 
@@ -133,7 +155,7 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, indices: torch.Tensor, ou
                 slice_offset: int = 0, add_inputs: bool = True) -> torch.Tensor:
     """``output[t, off:off+N] (+)= y[t] @ lora_b[slot].T`` for rows with a slot; returns ``output``."""
     groups = slot_groups(indices)
-    if _dense(y.shape[0], lora_b, len(groups)):
+    if _dense(y.shape[0], lora_b.shape[0], lora_b.shape[2], len(groups)):
         return _expand_dense(y, lora_b, indices, output, slice_offset, add_inputs)
     return _expand_groups(y, lora_b, groups, output, slice_offset, add_inputs)
 
@@ -142,7 +164,7 @@ _LAST_SEGMENTS: list = [None, None]  # the last (starts, lens, slots) tensors (h
 
 
 def _segment_rows(num_rows: int, seg_starts: torch.Tensor, seg_lens: torch.Tensor, seg_slots: torch.Tensor
-                  ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor | slice]]]:
+                  ) -> tuple[torch.Tensor, list[Group]]:
     """Each row's slot ``[T]`` (-1 outside every segment) and the rows of each slot (one GEMM
     pair per slot, not per segment: a mixed step's decode rows of one adapter are many segments)."""
     key = (seg_starts, seg_lens, seg_slots)
@@ -163,7 +185,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
                 seg_slots: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """:func:`bgmv_shrink` with each row's slot given by segments (rows outside them: zeros)."""
     indices, groups = _segment_rows(x.shape[0], seg_starts, seg_lens, seg_slots)
-    if _dense(x.shape[0], lora_a, len(groups)):
+    if _dense(x.shape[0], lora_a.shape[0], lora_a.shape[1], len(groups)):
         return _shrink_dense(x, lora_a, indices, scale)
     return _shrink_groups(x, lora_a, groups, scale)
 
@@ -173,7 +195,7 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
                 add_inputs: bool = True) -> torch.Tensor:
     """:func:`bgmv_expand` with each row's slot given by segments."""
     indices, groups = _segment_rows(y.shape[0], seg_starts, seg_lens, seg_slots)
-    if _dense(y.shape[0], lora_b, len(groups)):
+    if _dense(y.shape[0], lora_b.shape[0], lora_b.shape[2], len(groups)):
         return _expand_dense(y, lora_b, indices, output, slice_offset, add_inputs)
     return _expand_groups(y, lora_b, groups, output, slice_offset, add_inputs)
 
