@@ -118,11 +118,13 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--greedy", action="store_true", help="also greedy agreement on the 16 demo prompts")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="evaluate on the text's first tokens only (a large vocabulary's logits are big)")
     args = parser.parse_args()
     path = model_path(args.model)
     model, _ = load_model(path)
     tokenizer = load_tokenizer(path)
-    ids = tokenizer.encode(TEXT.read_text())
+    ids = tokenizer.encode(TEXT.read_text())[: args.max_tokens]
     seqs = [ids[i:i + args.seq_len] for i in range(0, len(ids) - 1, args.seq_len) if len(ids[i:i + args.seq_len]) > 16]
     prompts = demo_token_prompts(tokenizer)
     amax = measure_kv_amax(model, prompts)

@@ -249,6 +249,11 @@ for fmt in (1, 2, 3):  # 0x01 as float8 is a tiny subnormal: only int8's value i
                                          (ctypes.c_int32 * 2)(1, 2), 2, (ctypes.c_int32 * 1)(6), 1, 1, 2, d, bs, 0,
                                          fmt, 1.0, s, 8, out, 2)
     assert rc == 0 and (fmt != 1 or abs(out[0] - 0.5) < 1e-6), (rc, out[0])
+lib.servelab_write_kv_int8.argtypes = [P, I, P, I, P, P, P, P, P, P, I, P, I, I, I, I]
+row = (ctypes.c_float * d)(*[float(j - 8) for j in range(d)])  # amax 8: scale 8 / 127
+lib.servelab_write_kv_int8(row, d, row, d, pages, pages, strides, scales, scales, scale_strides, 0,
+                           (ctypes.c_int64 * 1)(5), 1, 1, d, bs)  # slot 5: block 1, offset 1
+assert pages[bs * d + d] == -127 and pages[bs * d + d + 15] == 111 and abs(scales[5] - 8 / 127) < 1e-7
 print("ok")
 """
 
@@ -303,6 +308,8 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_paged_decode_quant.argtypes = [p, i, p, p, p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, p, i,
                                                 p, i]
     lib.servelab_paged_decode_quant.restype = ctypes.c_int
+    lib.servelab_write_kv_int8.argtypes = [p, i, p, i, p, p, p, p, p, p, i, p, i, i, i, i]
+    lib.servelab_write_kv_int8.restype = None
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

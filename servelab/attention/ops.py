@@ -92,6 +92,8 @@ def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -
 def _write_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Quantize each row (its own scale, stored beside it; or the static scale) and scatter it."""
+    if _write_int8_in_c(key, value, key_cache, value_cache, slots, k_scale, v_scale):
+        return
     fmt = kv_quant.format_of_dtype(key_cache.dtype)
     if fmt is None:
         raise ValueError(f"key_cache dtype {key_cache.dtype} is not a registered KV-cache format")
@@ -101,6 +103,35 @@ def _write_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Te
         _scatter_rows(cache, slots, data)
         if not static:
             _scatter_rows(scale, slots, row_scale)
+
+
+def _write_int8_in_c(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """The int8 quantizing write in one C call (``servelab_write_kv_int8``: the same float32 operations
+    as :func:`kv_quant.quantize_rows` and the scatter, so the same bits) when it takes these: float32
+    CPU rows ``[n, Hk, D]`` with heads and dimensions contiguous, int8 pages with unit element
+    stride, int64 slots, both scales static or both in the pages. True when it wrote."""
+    n = slots.shape[0]
+    static = kv_quant.is_static_scale(k_scale)
+    if not (key_cache.dtype is torch.int8 and value_cache.dtype is torch.int8 and key.dtype is torch.float32
+            and value.dtype is torch.float32 and key.is_cpu and key_cache.is_cpu and slots.dtype is torch.int64
+            and slots.is_contiguous() and static == kv_quant.is_static_scale(v_scale) and n <= key.shape[0]
+            and n <= value.shape[0] and key_cache.stride(3) == 1 and value_cache.stride(3) == 1):
+        return False
+    d = key.shape[2]
+    for src in (key, value):
+        if src.dim() != 3 or src.stride(2) != 1 or src.stride(1) != d:
+            return False
+    lib = _library()
+    if lib is None:
+        return False
+    cache_strides = torch.tensor([*key_cache.stride()[:3], *value_cache.stride()[:3]], dtype=torch.int64)
+    scale_strides = torch.tensor([*k_scale.stride(), *v_scale.stride()], dtype=torch.int64)
+    lib.servelab_write_kv_int8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                               key_cache.data_ptr(), value_cache.data_ptr(), cache_strides.data_ptr(),
+                               k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(), int(static),
+                               slots.data_ptr(), n, key.shape[1], d, key_cache.shape[1])
+    return True
 
 
 def prepare_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:

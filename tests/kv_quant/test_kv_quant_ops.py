@@ -169,3 +169,36 @@ def test_a_registered_format_is_read_by_the_torch_paths():
         from servelab.blocks import kv_quant
 
         kv_quant._REGISTRY._entries.pop("int8_narrow", None)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=quant_cases(), seed=st.integers(0, 2**16))
+def test_c_int8_write_equals_the_torch_write_bit_for_bit(case, seed):
+    """``servelab_write_kv_int8`` (taken for float32 rows into int8 pages) against the torch write it
+    replaces (the C library switched off), both layouts, static and in-page scales."""
+    from servelab.attention import ops
+
+    if case.key_cache.dtype != torch.int8 or ops._library() is None:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    kc = case.key_cache
+    n = 4
+    slots = torch.randperm(kc.shape[0] * kc.shape[1] - kc.shape[1], generator=gen)[:n] + kc.shape[1]
+    key, value = torch.randn((n, kc.shape[2], kc.shape[3]), generator=gen), torch.randn((n, kc.shape[2], kc.shape[3]))
+    copies = []
+    for use_c in (True, False):
+        k2, v2 = kc.clone(), case.value_cache.clone()
+        ks = case.k_scale if case.k_scale.stride(0) == 0 else case.k_scale.clone()
+        vs = case.v_scale if case.v_scale.stride(0) == 0 else case.v_scale.clone()
+        saved = ops._library.lib, ops._library.checked
+        if not use_c:
+            ops._library.lib, ops._library.checked = None, True
+        try:
+            assert ops._write_int8_in_c(key, value, k2, v2, slots, ks, vs) == use_c or not use_c
+            if not use_c:
+                ops.reshape_and_cache(key, value, k2, v2, slots, k_scale=ks, v_scale=vs)
+        finally:
+            ops._library.lib, ops._library.checked = saved
+        copies.append((k2, v2, ks, vs))
+    for a, b in zip(*copies):
+        assert torch.equal(a, b)
