@@ -9,8 +9,10 @@ Variants (``implementation`` of the rows, ``component=quant_weights``):
   Q4_K_M's Q5_0 / Q4_K / Q6_K / Q8_0);
 - ``int8`` / ``w4a16``: online quantization of the float32 weights (``w4a16`` with group 128 where it
   divides every width, else 32: SmolLM2's 576 takes 32);
-- ``llama.cpp``: ``llama-cpp-python`` on the same file, same prompts and thread counts, greedy
-  (bench environment only: ``pip install llama-cpp-python``; skipped with a note when missing).
+- ``llama.cpp``: llama.cpp itself on the same file, same prompts and thread counts, greedy, in this
+  process through ``xllamacpp`` (prebuilt CPU wheels of llama.cpp's server: ``pip install xllamacpp``,
+  bench environment only, never CI; ``llama-cpp-python`` is source-only on PyPI and its build did not
+  finish on the shared 2-core VM); skipped with a note when missing.
 
 Metrics: ``ppl`` / ``ppl_ratio`` / ``kl_mean`` / ``top1_agreement`` teacher-forced over real text
 (``bench/data/kv_quant_text.txt``) against ``float32``; ``greedy_equal`` (of 16 demo prompts, 32
@@ -132,48 +134,58 @@ def speed_rows(pipe, variant: str, short: list[list[int]], long_prompt: list[int
     return rows
 
 
-def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+def llama_server(path: Path, threads: int):
+    """llama.cpp in this process: ``xllamacpp`` (prebuilt llama.cpp server bindings, CPU wheel), one
+    slot, no prompt cache; ``None`` (with a note) when it is not installed."""
     try:
-        from llama_cpp import Llama
+        import xllamacpp
     except ImportError:
-        print("  llama.cpp: llama-cpp-python not installed (pip install llama-cpp-python); skipped", flush=True)
+        print("  llama.cpp: pip install xllamacpp (bench environment only); skipped", flush=True)
+        return None
+    params = xllamacpp.CommonParams()
+    params.model.path = str(path)
+    params.n_ctx, params.n_parallel, params.n_batch = 2048, 1, 512
+    params.cpuparams.n_threads = params.cpuparams_batch.n_threads = threads
+    params.warmup = False
+    return xllamacpp.Server(params)
+
+
+def llama_complete(server, prompt: list[int], n_predict: int) -> tuple[float, dict]:
+    """One greedy completion (EOS ignored, no prompt reuse): wall seconds and the response."""
+    start = time.perf_counter()
+    out = server.handle_completions({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+                                     "cache_prompt": False, "ignore_eos": True})
+    return time.perf_counter() - start, out
+
+
+def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+    server = llama_server(path, threads)
+    if server is None:
         return []
-    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                verbose=False)
-    eos = llm.token_eos()
+    import xllamacpp
 
-    def one(prompt: list[int]) -> tuple[float, int]:
-        llm.reset()
-        start = time.perf_counter()
-        made = 0
-        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
-            made += 1
-            if made >= NEW_TOKENS:
-                break
-            del token
-        return time.perf_counter() - start, made
-
-    one(short[0])  # warm
-    rows = []
-    walls = [one(p) for p in short]
+    common = dict(common, engine=f"xllamacpp {getattr(xllamacpp, '__version__', '')}".strip())
+    llama_complete(server, short[0], 4)  # warm
+    walls = [llama_complete(server, p, NEW_TOKENS) for p in short]
     load = os.getloadavg()[0]
-    wall, tokens = walls[0]
-    rows.append(make_row("quant_weights", "llama.cpp", "decode_tok_s", "tok/s", tokens / wall,
-                         params=dict(common, batch=1, threads=threads, loadavg=load, eos_ignored=False)))
+    wall, first = walls[0]
+    made = first["usage"]["completion_tokens"]
+    rows = [make_row("quant_weights", "llama.cpp", "decode_tok_s", "tok/s", made / wall,
+                     params=dict(common, batch=1, threads=threads, loadavg=load,
+                                 llama_predicted_per_second=first["timings"]["predicted_per_second"]))]
     total = sum(w for w, _ in walls)
-    made = sum(n for _, n in walls)
-    rows.append(make_row("quant_weights", "llama.cpp", "aggregate_tok_s", "tok/s", made / total,
+    tokens = sum(o["usage"]["completion_tokens"] for _, o in walls)
+    rows.append(make_row("quant_weights", "llama.cpp", "aggregate_tok_s", "tok/s", tokens / total,
                          params=dict(common, requests=len(short), threads=threads, loadavg=load,
                                      served="one after another")))
-    llm.reset()
-    start = time.perf_counter()
-    llm.eval(long_prompt)
-    prefill = len(long_prompt) / (time.perf_counter() - start)
-    rows.append(make_row("quant_weights", "llama.cpp", "prefill_tok_s", "tok/s", prefill,
+    wall, out = llama_complete(server, long_prompt, 1)
+    rows.append(make_row("quant_weights", "llama.cpp", "prefill_tok_s", "tok/s", len(long_prompt) / wall,
                          params=dict(common, prompt_tokens=len(long_prompt), threads=threads,
-                                     loadavg=os.getloadavg()[0])))
-    print(f"  llama.cpp t={threads} batch=1 decode {tokens / wall:7.1f} tok/s, 16 one after another "
-          f"{made / total:7.1f} tok/s, prefill {prefill:7.1f} tok/s (eos id {eos})", flush=True)
+                                     loadavg=os.getloadavg()[0],
+                                     llama_prompt_per_second=out["timings"]["prompt_per_second"])))
+    print(f"  llama.cpp t={threads} batch=1 decode {made / walls[0][0]:7.1f} tok/s, 16 one after another "
+          f"{tokens / total:7.1f} tok/s, prefill {len(long_prompt) / wall:7.1f} tok/s", flush=True)
+    del server
     return rows
 
 
@@ -181,10 +193,7 @@ def rss_child(variant: str, path: Path, model_name: str) -> None:
     """Runs in a fresh process: load ``variant``, generate 8 tokens, print peak RSS (MiB)."""
     torch.set_num_threads(1)
     if variant == "llama.cpp":
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=str(path), n_ctx=2048, n_threads=1, verbose=False)
-        llm.create_completion("The cache", max_tokens=8, temperature=0)
+        llama_complete(llama_server(path, 1), [1, 504, 3458], 8)
     else:
         from servelab import SamplingParams
 
@@ -226,13 +235,16 @@ def main() -> int:
     common = {"model": args.model, "file": path.name}
     torch.set_num_threads(1)
     variants = ["float32", "gguf", "int8", "w4a16"]
+    rows: list = []
+    if parts == {"rss"}:
+        append_rows(rss_rows(path, args.model, variants + ["llama.cpp"], common))
+        return 0
     pipes = {"float32": build("float32", path, args.model)}
     for variant in variants[1:]:
         pipes[variant] = build(variant, path, args.model)
     print({v: repr(p.config.quantization)[:200] for v, p in pipes.items()}, flush=True)
     tokenizer = pipes["float32"].tokenizer
     prompts = demo_prompts(tokenizer)
-    rows: list = []
     if "acc" in parts:
         ids = tokenizer.encode(TEXT.read_text())[:args.text_tokens + 1]
         seqs = [ids[i:i + 256] for i in range(0, len(ids) - 1, 256) if len(ids[i:i + 256]) > 16]
