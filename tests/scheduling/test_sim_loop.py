@@ -165,3 +165,18 @@ def test_the_vllm_engine_adapter_on_the_one_loop_reproduces_the_scheduler_it_dri
     assert via_vllm.policy == "vllm-fcfs" and via_vllm.num_failed == ours.num_failed == 1
     for a, b in zip(_figures(via_vllm), _figures(ours)):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), max_size=30), batch=st.integers(1, 7), seed=st.integers(0, 1000))
+def test_inter_token_gaps_equal_the_per_request_diffs_concatenated(lengths, batch, seed):
+    from servelab.scheduling.request import RequestMetrics
+    from servelab.scheduling.simulator.metrics import inter_token_gaps
+
+    rng = np.random.default_rng(seed)
+    ms = [RequestMetrics(f"r{i}", "c", 0, "length", 4, n, 0, 0, 0, 0, 0.0, 0.0, None, 1.0,
+                         np.cumsum(rng.random(n)).tolist()) for i, n in enumerate(lengths)]
+    want = [np.diff(m.token_times) for m in ms if len(m.token_times) > 1]
+    got = inter_token_gaps(ms, batch=batch)
+    np.testing.assert_array_equal(got, np.concatenate(want) if want else np.array([]))
+    assert got.dtype == np.float64
