@@ -69,7 +69,8 @@ def sequence_logits(model, tokens: list[int], kv_cache_dtype: str, kv_scale: str
 def demo_token_prompts(tokenizer) -> list[list[int]]:
     from servelab.cli.demo import demo_prompts
 
-    return demo_prompts(tokenizer, random.Random(0), 16)
+    prompts = demo_prompts(tokenizer, random.Random(0), 16)  # token lists, or texts without a chat template
+    return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts]
 
 
 def text_metrics(ref: list[torch.Tensor], got: list[torch.Tensor], seqs: list[list[int]]) -> dict[str, float]:
