@@ -22,7 +22,8 @@ tokens); ``peak_rss`` (MiB, a fresh subprocess loading the model and generating 
 requests one after another (``aggregate_tok_s``), as a single-stream engine does. Every timed row
 records ``os.getloadavg()`` (the machine may be shared).
 
-Usage: ``python bench/quant_weights.py [--model smollm2|gemma3-270m] [--threads 1,2] [--parts acc,speed,rss]``.
+Usage: ``python bench/quant_weights.py [--model smollm2|gemma3-270m] [--threads 1,2] [--parts acc,speed,rss]``;
+``--plot`` draws ``bench/results/quant_weights.png`` from the recorded rows.
 """
 
 from __future__ import annotations
@@ -217,6 +218,43 @@ def rss_rows(path: Path, model_name: str, variants: list[str], common) -> list:
     return rows
 
 
+def plot(out: Path = Path(__file__).parent / "results" / "quant_weights.png") -> Path:
+    """Latest 1-thread decode tok/s per variant and batch (llama.cpp: batch 1 and its 16 requests one
+    after another) and peak RSS, from ``results.csv``, as two panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from results_io import read_rows
+
+    rows = read_rows(component="quant_weights")
+    latest: dict[tuple, float] = {}
+    for r in rows:
+        params = r["params"]
+        if r["metric"] == "decode_tok_s" and params.get("threads") == 1:
+            latest[(r["implementation"], params["batch"])] = r["value"]
+        elif r["metric"] == "aggregate_tok_s" and params.get("threads") == 1:
+            latest[(r["implementation"], 16)] = r["value"]
+        elif r["metric"] == "peak_rss":
+            latest[(r["implementation"], "rss")] = r["value"]
+    variants = ["float32", "gguf", "int8", "w4a16", "llama.cpp"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, variant in enumerate(variants):
+        values = [latest.get((variant, b), 0.0) for b in BATCHES]
+        left.bar([x + 0.16 * i for x in range(len(BATCHES))], values, width=0.16, label=variant)
+        right.bar(i, latest.get((variant, "rss"), 0.0))
+    left.set_xticks([x + 0.32 for x in range(len(BATCHES))], [f"batch {b}" for b in BATCHES])
+    left.set_ylabel("decode tok/s, 1 thread (llama.cpp at 16: one after another)")
+    left.legend(fontsize=8)
+    right.set_xticks(range(len(variants)), variants)
+    right.set_ylabel("peak RSS (MiB)")
+    fig.suptitle("SmolLM2-135M Q4_1: native blocks vs float32 vs online vs llama.cpp (shared VM, under load)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
@@ -224,7 +262,11 @@ def main() -> int:
     parser.add_argument("--parts", default="acc,speed,rss")
     parser.add_argument("--text-tokens", type=int, default=2048)
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--plot", action="store_true", help="only draw results/quant_weights.png from the CSV")
     args = parser.parse_args()
+    if args.plot:
+        print(plot())
+        return 0
     path = gguf_path(args.model)
     if args.rss_child:
         rss_child(args.rss_child, path, args.model)
