@@ -33,3 +33,25 @@ def test_settings_are_checked():
         LoRAStepCost(StepCostModel(), {}, max_loras=1, load_s=-1)
     with pytest.raises(ValueError, match="max_loras"):
         LoRAStepCost(StepCostModel(), {}, max_loras=0)
+
+
+def test_simulated_runs_use_the_real_schedulers_max_loras_constraint():
+    """Trace requests over 4 adapters through simulate(): the real scheduler keeps each step
+    within max_loras (LoRAStepCost raises otherwise), and fewer slots mean more loads."""
+    from servelab.scheduling import SchedulerConfig
+    from servelab.scheduling.simulator import simulate
+    from servelab.scheduling.simulator.workload import TraceRequest
+
+    names = ["A", "B", "C", "D", None]
+    trace = [TraceRequest(f"r{i}", 0.01 * i, list(range(100 + i, 132 + i)), 8, lora_name=names[i % 5])
+             for i in range(40)]
+    adapter_of = {r.request_id: r.lora_name for r in trace}
+    runs = {}
+    for slots in (1, 2, 4):
+        cost = LoRAStepCost(StepCostModel(), adapter_of, max_loras=slots, load_s=0.05)
+        result = simulate(trace, scheduler_config=SchedulerConfig(max_loras=slots), cost_model=cost)
+        assert len(result.requests) == 40 and all(r.finish_reason == "length" for r in result.requests)
+        runs[slots] = (cost.loads, max(r.finish_time for r in result.requests))
+    assert runs[4][0] == 4  # every adapter loaded once
+    assert runs[1][0] > runs[2][0] > runs[4][0]
+    assert runs[1][1] > runs[4][1]  # the loads show in the simulated time

@@ -32,7 +32,7 @@ def smollm2_adapters(tmp_path_factory):
         hub.fetch_smollm2()
     base = hub.smollm2_path()
     root = tmp_path_factory.mktemp("smollm2-lora")
-    return base, {name: make_peft_adapter(base, root / name, seed=seed, scale=0.4, **kw)
+    return base, {name: make_peft_adapter(base, root / name, seed=seed, scale=1.5, **kw)
                   for name, (kw, seed) in ADAPTERS.items()}
 
 

@@ -117,7 +117,7 @@ class RequestFactory:
         block_size = self.block_size
         if block_size is None:
             return request
-        prefix = getattr(prompt, "prefix", None)
+        prefix = getattr(prompt, "prefix", None) if request.lora_name is None else None  # adapters key their own
         known: list[Any] = []
         if prefix:
             entry = self._prefix_hashes.get(id(prefix))
@@ -138,14 +138,16 @@ class RequestFactory:
     def __call__(self, r: TraceRequest) -> Request:
         return self._hash(Request(r.request_id, r.prompt_token_ids,
                                   self.params(1 if self.prefill_only else r.max_tokens), arrival_time=r.arrival_time,
-                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash"), r.prompt_token_ids)
+                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash",
+                                  lora_name=getattr(r, "lora_name", None)), r.prompt_token_ids)
 
     def decode_half(self, r: TraceRequest) -> Request:
         """The decode half of a P/D request: the prompt and the prefill's first token, the rest to generate."""
         prompt = list(r.prompt_token_ids)
         prompt.append(FAKE_TOKEN)
         return self._hash(Request(r.request_id, prompt, self.params(r.max_tokens - 1), arrival_time=r.arrival_time,
-                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash"), r.prompt_token_ids)
+                                  priority=r.priority, client_id=r.client_id, hash_fn="xxhash",
+                                  lora_name=getattr(r, "lora_name", None)), r.prompt_token_ids)
 
 
 class Replica:

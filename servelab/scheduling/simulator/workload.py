@@ -134,6 +134,7 @@ class TraceRequest:
     max_tokens: int
     client_id: str = "default"
     priority: int = 0
+    lora_name: str | None = None  # a LoRA adapter: the scheduler's max_loras constraint applies (servelab.lora)
 
 
 @dataclass(frozen=True)
