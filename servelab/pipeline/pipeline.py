@@ -298,6 +298,8 @@ class Pipeline(BatchRuns, OutputDelivery):
         ``.gguf`` file's blocks, None dequantizes it; the resolved per-layer plan
         (:class:`~servelab.quantization.QuantizationPlan`) is what ``pipe.config.quantization`` shows.
         """
+        if config is not None and not isinstance(config, PipelineConfig):  # before loading anything
+            raise TypeError(f"config must be a servelab.PipelineConfig, got {type(config).__name__}")
         quantization = settings.get("quantization", (config or PipelineConfig()).quantization)
         with shared_gguf_reader():  # a .gguf file is parsed once for the model and its tokenizer
             model, _ = load_model(path, dtype=dtype, device=device, pack_weights=pack_weights,
