@@ -47,22 +47,24 @@ def add_parser(sub: Any) -> None:
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("model", help="checkpoint folder, .gguf file, smollm2, gemma3-270m, or tiny")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model "
                        "(default: the MODEL argument)")
     serve.add_argument("--max-waiting", type=int, default=1024,
                        help="requests waiting for admission before 503 (default: %(default)s)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template (a file or the text), or 'chatml', for a tokenizer without one")
-    serve.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; default: %(default)s)")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default: %(default)s)")
     group = serve.add_argument_group("pipeline settings (servelab.PipelineConfig)")
     for name, section in sorted(flat_names().items()):
         default = _default(name, section)
         if not isinstance(default, (int, float, str, bool, type(None))):
             continue
         group.add_argument(f"--{name.replace('_', '-')}", dest=f"setting_{name}", type=parse_setting,
-                           default=argparse.SUPPRESS, metavar="VALUE", help=f"(default: {default!r})")
+                           default=argparse.SUPPRESS, metavar="VALUE",
+                           help=f"PipelineConfig.{name} ({section} section; default: {default!r})")
 
 
 def _chat_template(value: str | None) -> str | None:
