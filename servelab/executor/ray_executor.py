@@ -93,11 +93,13 @@ class RayExecutor(Executor):
         self._removed: list[str] = []
         self._dead: str | None = None
         self._folder: str | None = None
+        self._started_ray = False
 
     def start(self, spec: WorkerSpec) -> None:
         ray = _ray()
         if not ray.is_initialized():
             ray.init(**{"include_dashboard": False, "log_to_driver": False, **self.ray_init_kwargs})
+            self._started_ray = True  # a local cluster of our own: ended with the executor (no orphans)
         self.world_size = spec.config.parallel.world_size
         if self.init_method is None:
             self._folder = tempfile.mkdtemp(prefix="servelab-ray-")
@@ -144,6 +146,9 @@ class RayExecutor(Executor):
         if self._dead is None:
             self._dead = "the executor was shut down (pipeline closed)"
         self._kill()
+        if self._started_ray:  # the local cluster ray.init started for us; a cluster we joined stays up
+            self._started_ray = False
+            _ray().shutdown()
 
     def _call(self, kind: str, payload: Any) -> list[Any]:
         if self._dead is not None:

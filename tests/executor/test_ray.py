@@ -32,3 +32,4 @@ def test_ray_tp2_is_token_exact_then_a_killed_actor_fails_its_requests(tiny, ref
         again = pipe.generate(["and after that"], GREEDY)[0]
         assert again.finish_reason == "error" and again.error == out.error  # refused with the same reason
     assert executor.actors == []
+    assert not ray.is_initialized()  # the local cluster it started ended with it (no orphan processes)
