@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["Executor", "ExecutorDeadError"]
+__all__ = ["Executor", "ExecutorDeadError", "RemoteRanksExecutor"]
 
 
 class ExecutorDeadError(RuntimeError):
@@ -93,3 +93,48 @@ class Executor(ABC):
     def comm_stats(self) -> list[dict[str, float]]:
         """Per rank: ``{"comm_s", "compute_s", "steps"}`` so far (communication vs the rest of ``execute``)."""
         return []
+
+
+class RemoteRanksExecutor(Executor):
+    """The runner's calls for executors whose ranks run elsewhere (worker processes, Ray
+    actors): one message per call to every rank, the answer of the last rank kept.
+
+    Subclasses provide ``_call(kind, payload) -> list`` (every rank's answer, in rank order;
+    :class:`ExecutorDeadError` once a rank is gone) and keep ``_dead`` (the reason, or None).
+    Requests removed since the last step travel with the next step's message, so removing
+    one costs no message of its own.
+    """
+
+    _dead: str | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._removed: list[str] = []
+        self._dead = None
+
+    @abstractmethod
+    def _call(self, kind: str, payload: Any) -> list[Any]:
+        """Send ``(kind, payload)`` to every rank; their answers in rank order."""
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.check_health()
+        removed, self._removed = self._removed, []
+        out, verification, finished = self._call("execute", (removed, so))[-1]
+        self.last_verification = verification
+        self.prompt_logprobs.finished.update(finished)
+        return out
+
+    def rollback(self, so: SchedulerOutput) -> None:
+        self.last_verification = []
+        if self._dead is not None:
+            return  # nothing left to undo
+        removed, self._removed = self._removed, []
+        self._call("rollback", (removed, so))
+
+    def remove_request(self, req_id: str) -> None:
+        self.prompt_logprobs.finished.pop(req_id, None)
+        if self._dead is None:
+            self._removed.append(req_id)
+
+    def comm_stats(self) -> list[dict[str, float]]:
+        return self._call("stats", None)

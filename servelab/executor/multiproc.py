@@ -43,10 +43,9 @@ from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any, ClassVar
 
-from servelab.executor.interface import Executor, ExecutorDeadError
+from servelab.executor.interface import ExecutorDeadError, RemoteRanksExecutor
 from servelab.executor.parallel_state import default_backend
 from servelab.executor.worker import WorkerClock, WorkerSpec, build_worker_runner, error_text, handle_message
-from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["HEARTBEAT_S", "MultiprocExecutor"]
 
@@ -154,7 +153,7 @@ def _kill(processes: list[Any], conns: list[Any], folder: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteRanksExecutor):
     """Worker processes for a replica's ranks (see the module docstring).
 
     Args:
@@ -174,8 +173,6 @@ class MultiprocExecutor(Executor):
         self._conns: list[Any] = []
         self._stamps: list[Any] = []
         self._seq = 0
-        self._removed: list[str] = []
-        self._dead: str | None = None
         self._finalizer: Any = None
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -303,29 +300,3 @@ class MultiprocExecutor(Executor):
 
     def _call(self, kind: str, payload: Any) -> list[Any]:
         return self._collect(self._broadcast(kind, payload))
-
-    # ---- the runner's calls ----------------------------------------------------------
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.check_health()
-        removed, self._removed = self._removed, []
-        answers = self._call("execute", (removed, so))
-        out, verification, finished = answers[-1]
-        self.last_verification = verification
-        self.prompt_logprobs.finished.update(finished)
-        return out
-
-    def rollback(self, so: SchedulerOutput) -> None:
-        self.last_verification = []
-        if self._dead is not None:
-            return  # nothing left to undo
-        removed, self._removed = self._removed, []
-        self._call("rollback", (removed, so))
-
-    def remove_request(self, req_id: str) -> None:
-        self.prompt_logprobs.finished.pop(req_id, None)
-        if self._dead is None:
-            self._removed.append(req_id)
-
-    def comm_stats(self) -> list[dict[str, float]]:
-        return self._call("stats", None)

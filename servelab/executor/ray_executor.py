@@ -23,9 +23,8 @@ import shutil
 import tempfile
 from typing import Any, ClassVar
 
-from servelab.executor.interface import Executor, ExecutorDeadError
+from servelab.executor.interface import ExecutorDeadError, RemoteRanksExecutor
 from servelab.executor.worker import WorkerSpec
-from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
 
 __all__ = ["RayExecutor"]
 
@@ -70,7 +69,7 @@ class _RankActor:
         return handle_message(self.runner, self.state, self.clock, kind, payload)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteRanksExecutor):
     """Ray actors for a replica's ranks (see the module docstring).
 
     Args:
@@ -90,8 +89,6 @@ class RayExecutor(Executor):
         self.init_method = init_method
         self.ray_init_kwargs = dict(ray_init_kwargs or {})
         self.actors: list[Any] = []
-        self._removed: list[str] = []
-        self._dead: str | None = None
         self._folder: str | None = None
         self._started_ray = False
 
@@ -156,27 +153,6 @@ class RayExecutor(Executor):
         ray = _ray()
         ref = ray.put((kind, payload))  # one object, read by every rank
         return self._get([a.handle_ref.remote(ref) for a in self.actors], kind)
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        removed, self._removed = self._removed, []
-        out, verification, finished = self._call("execute", (removed, so))[-1]
-        self.last_verification = verification
-        self.prompt_logprobs.finished.update(finished)
-        return out
-
-    def rollback(self, so: SchedulerOutput) -> None:
-        self.last_verification = []
-        if self._dead is None:
-            removed, self._removed = self._removed, []
-            self._call("rollback", (removed, so))
-
-    def remove_request(self, req_id: str) -> None:
-        self.prompt_logprobs.finished.pop(req_id, None)
-        if self._dead is None:
-            self._removed.append(req_id)
-
-    def comm_stats(self) -> list[dict[str, float]]:
-        return self._call("stats", None)
 
     def worker_pids(self) -> list[int]:
         """The actors' process ids (tests)."""
