@@ -167,6 +167,7 @@ class Pipeline(BatchRuns, OutputDelivery):
             raise ValueError(f"{', '.join(given)} given together with kv_cache_manager; the manager's own block "
                              "size, pool and caching are used, so leave these settings out")
         if kv_cache_manager is not None:  # the manager's pool is the config's: resolved here, once
+            check_conforms(kv_cache_manager, KVCacheManagerProtocol, "kv_cache_manager")
             settings = {**settings, "block_size": kv_cache_manager.block_size,
                         "num_blocks": kv_cache_manager.block_pool.num_blocks, "kv_cache_memory_bytes": None,
                         "enable_prefix_caching": bool(kv_cache_manager.enable_caching)}
