@@ -254,8 +254,12 @@ def _one_reader() -> Iterator[None]:
     restored on exit."""
     import copy
 
-    import gguf
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    try:
+        import gguf
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:  # no gguf extra: nothing to share (a .gguf load names the extra itself)
+        yield
+        return
 
     original_reader, original_load, readers, metadata = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint, {}, {}
 
