@@ -375,16 +375,8 @@ def paged_attention(
                     tree_mask is not None)
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     if k_scale is not None and v_scale is not None:
-        if (query.shape[0] == plan.num_seqs and tree_mask is None
-                and cpu_decode_quant.usable(query, key_cache, value_cache)
-                and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all())):
-            # a pure decode step: the C kernel reads the quantized pages themselves
-            decoded = cpu_decode_quant.paged_decode(query, key_cache, value_cache, k_scale, v_scale, block_table,
-                                                    seq_lens, scale, sliding_window)
-            return decoded if out is None else out.copy_(decoded)
-        result = out if out is not None else torch.empty_like(query)
-        return _attend_groups(plan.gather_groups(), query, key_cache, value_cache, scale, compute, result,
-                              (k_scale, v_scale))
+        return _attend_quantized_pages(plan, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                       scale, compute, out, sliding_window, tree_mask is not None, k_scale, v_scale)
     if plan.decode_kv is not None:
         decoding = query if plan.decode_tokens is None else query.index_select(0, plan.decode_tokens)
         attn = plan.decode_kv.attend(decoding, key_cache, value_cache, scale, compute)
@@ -407,6 +399,23 @@ def paged_attention(
         return out.copy_(attn)
     result = out if out is not None else torch.empty_like(query)
     return _attend_groups(groups, query, key_cache, value_cache, scale, compute, result)
+
+
+def _attend_quantized_pages(plan: AttentionPlan, query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float, compute: torch.dtype,
+                            out: torch.Tensor | None, sliding_window: int | None, tree: bool,
+                            k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_attention` over quantized pages: a pure decode step in the C kernel, which reads the
+    int8/fp8 pages themselves; anything else gathered per group and dequantized in ``compute``."""
+    if (query.shape[0] == plan.num_seqs and not tree and cpu_decode_quant.usable(query, key_cache, value_cache)
+            and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).all())):
+        decoded = cpu_decode_quant.paged_decode(query, key_cache, value_cache, k_scale, v_scale, block_table,
+                                                seq_lens, scale, sliding_window)
+        return decoded if out is None else out.copy_(decoded)
+    result = out if out is not None else torch.empty_like(query)
+    return _attend_groups(plan.gather_groups(), query, key_cache, value_cache, scale, compute, result,
+                          (k_scale, v_scale))
 
 
 def _attend_groups(groups: list[_Group], query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
