@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from results_io import append_rows, make_row  # noqa: E402
+from text_accuracy import text_metrics  # noqa: E402
 
 from servelab.blocks.kv_quant import get_kv_cache_dtype, kv_cache_storage  # noqa: E402
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer, prepare_inputs  # noqa: E402
@@ -71,19 +72,6 @@ def demo_token_prompts(tokenizer) -> list[list[int]]:
 
     prompts = demo_prompts(tokenizer, random.Random(0), 16)  # token lists, or texts without a chat template
     return [list(tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts]
-
-
-def text_metrics(ref: list[torch.Tensor], got: list[torch.Tensor], seqs: list[list[int]]) -> dict[str, float]:
-    nll, kl, agree, count = 0.0, 0.0, 0, 0
-    for r, g, tokens in zip(ref, got, seqs):
-        target = torch.tensor(tokens[1:])
-        log_r, log_g = torch.log_softmax(r[:-1].double(), -1), torch.log_softmax(g[:-1].double(), -1)
-        nll += float(-log_g.gather(1, target[:, None]).sum())
-        kl += float((log_r.exp() * (log_r - log_g)).sum())
-        agree += int((r[:-1].argmax(-1) == g[:-1].argmax(-1)).sum())
-        count += target.shape[0]
-    return {"ppl": float(torch.exp(torch.tensor(nll / count))), "kl_mean": kl / count, "top1_agreement": agree / count,
-            "tokens": count}
 
 
 def greedy_agreement(path: Path, kv_cache_dtype: str, kv_scale: str | None, static: torch.Tensor | None,

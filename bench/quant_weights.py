@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from options import comma_separated  # noqa: E402
 from results_io import append_rows, make_row  # noqa: E402
+from text_accuracy import text_metrics  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "kv_quant_text.txt"
 BATCHES = (1, 4, 16)
@@ -88,18 +89,6 @@ def sequence_logits(model, tokens: list[int], block_size: int = 16) -> torch.Ten
     ids, pos, meta = prepare_inputs([tokens], [0], [list(range(1, num_blocks))], block_size)
     model.reset_attention_state()
     return model.compute_logits(model(ids, pos, caches, meta)).float()
-
-
-def text_metrics(ref: list[torch.Tensor], got: list[torch.Tensor], seqs: list[list[int]]) -> dict[str, float]:
-    nll, kl, agree, count = 0.0, 0.0, 0, 0
-    for r, g, tokens in zip(ref, got, seqs):
-        target = torch.tensor(tokens[1:])
-        log_r, log_g = torch.log_softmax(r[:-1].double(), -1), torch.log_softmax(g[:-1].double(), -1)
-        nll += float(-log_g.gather(1, target[:, None]).sum())
-        kl += float((log_r.exp() * (log_r - log_g)).sum())
-        agree += int((r[:-1].argmax(-1) == g[:-1].argmax(-1)).sum())
-        count += target.shape[0]
-    return {"ppl": float(torch.exp(torch.tensor(nll / count))), "kl_mean": kl / count, "top1": agree / count}
 
 
 def demo_prompts(tokenizer) -> list[list[int]]:
@@ -299,12 +288,12 @@ def main() -> int:
             equal = sum(a == b for a, b in zip(outs[variant], outs["float32"]))
             params = dict(common, text_tokens=sum(len(s) - 1 for s in seqs), seq_len=256)
             for metric, unit, value in (("ppl", "ppl", m["ppl"]), ("ppl_ratio", "ratio", m["ppl"] / base["ppl"]),
-                                        ("kl_mean", "nats", m["kl_mean"]), ("top1_agreement", "fraction", m["top1"])):
+                                        ("kl_mean", "nats", m["kl_mean"]), ("top1_agreement", "fraction", m["top1_agreement"])):
                 rows.append(make_row("quant_weights", variant, metric, unit, value, params=params))
             rows.append(make_row("quant_weights", variant, "greedy_equal", "prompts", equal,
                                  params=dict(common, prompts=16, max_tokens=32)))
             print(f"{variant:9s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} kl={m['kl_mean']:.2e} "
-                  f"top1={m['top1']:.4f} greedy={equal}/16", flush=True)
+                  f"top1={m['top1_agreement']:.4f} greedy={equal}/16", flush=True)
     if "speed" in parts:
         short = [p[:16] for p in prompts]
         long_prompt = tokenizer.encode(TEXT.read_text())[:512]
