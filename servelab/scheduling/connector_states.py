@@ -285,13 +285,9 @@ class ConnectorStates:
                 return None
             num_ext = 0  # alone and the external part does not fit: compute it instead
         start = num_hit + num_ext
-        n = req.num_tokens - start
-        if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
-            n = cfg.long_prefill_token_threshold
-        if n > budget:
-            if not cfg.enable_chunked_prefill:
-                return None
-            n = budget
+        n = self._prompt_chunk(req.num_tokens - start, budget)
+        if n is None:
+            return None
         ahead = cfg.num_speculative_tokens if start + n >= req.num_tokens else 0
         new_blocks = kv.allocate_slots(req, num_ext + n, num_hit, hit_blocks, ahead)
         if new_blocks is None and ahead:
@@ -319,18 +315,28 @@ class ConnectorStates:
         self._admit(step, req, n, start)
         return n
 
-    def _admit_loaded(self, step: Any, req: Request, budget: int) -> int | None:
-        """Admit ``req``, which holds its landed KV (``holds_loaded_blocks``): it computes only the
-        tokens past the load (a P/D decode: its first output token). None: stop admitting."""
-        kv, cfg = self.kv_cache_manager, self.config
-        start = req.num_computed_tokens
-        n = req.num_tokens - start
+    def _prompt_chunk(self, remaining: int, budget: int) -> int | None:
+        """How many of a request's ``remaining`` prompt tokens an admission computes this step:
+        capped by ``long_prefill_token_threshold`` and the step's ``budget``; None when they do not
+        fit and chunked prefill is off."""
+        cfg = self.config
+        n = remaining
         if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
             n = cfg.long_prefill_token_threshold
         if n > budget:
             if not cfg.enable_chunked_prefill:
                 return None
             n = budget
+        return n
+
+    def _admit_loaded(self, step: Any, req: Request, budget: int) -> int | None:
+        """Admit ``req``, which holds its landed KV (``holds_loaded_blocks``): it computes only the
+        tokens past the load (a P/D decode: its first output token). None: stop admitting."""
+        kv = self.kv_cache_manager
+        start = req.num_computed_tokens
+        n = self._prompt_chunk(req.num_tokens - start, budget)
+        if n is None:
+            return None
         new_blocks = kv.allocate_slots(req, n)
         if new_blocks is None and self._release_loaded(req):
             new_blocks = kv.allocate_slots(req, n)
