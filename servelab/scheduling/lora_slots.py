@@ -46,6 +46,18 @@ class LoRASlots:
         self.passed_over: dict[str, int] = {}
         self._passed_this_step: set[str] = set()
 
+    @classmethod
+    def for_scheduler(cls, max_loras: int, policy: Any) -> LoRASlots | None:
+        """The constraint of a scheduler whose config has ``max_loras`` (0: none), shown to a
+        policy that asks for it (``policy.bind_lora_slots(slots)``, optional)."""
+        if not max_loras:
+            return None
+        slots = cls(max_loras)
+        bind = getattr(policy, "bind_lora_slots", None)
+        if callable(bind):
+            bind(slots)
+        return slots
+
     def begin_step(self, running: Iterable[Request], waiting: Any = ()) -> None:
         """Count the running requests' adapters (called once per ``schedule()``); pass-over
         counts of requests no longer ``waiting`` are dropped now and then."""

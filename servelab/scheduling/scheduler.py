@@ -182,10 +182,7 @@ class Scheduler(Preemption, ConnectorStates):
         self.num_aborted = 0
         self._init_connector(kv_connector)
         # At most max_loras distinct LoRA adapters among running requests (scheduling.lora_slots).
-        max_loras = getattr(config, "max_loras", 0)
-        self.lora_slots = LoRASlots(max_loras) if max_loras else None
-        if self.lora_slots is not None and callable(getattr(self.policy, "bind_lora_slots", None)):
-            self.policy.bind_lora_slots(self.lora_slots)  # type: ignore[attr-defined]
+        self.lora_slots = LoRASlots.for_scheduler(getattr(config, "max_loras", 0), self.policy)
 
     def _new_waiting_queue(self) -> RequestQueue:
         queue = self.policy.make_waiting_queue()
