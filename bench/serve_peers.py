@@ -266,7 +266,8 @@ def plot(out: Path | None = None) -> Path:
 
     latest: dict[tuple[str, str, str], dict] = {}
     for row in read_rows(component=COMPONENT):
-        if row["metric"] in ("output_throughput", "ttft") and "rate" in row["params"]:
+        if (row["metric"] in ("output_throughput", "ttft") and "rate" in row["params"]
+                and row["params"].get("client") != "guidellm"):  # guidellm's rows: serve_guidellm.py --plot
             latest[(row["implementation"], row["metric"], str(row["params"]["rate"]))] = row
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric, label in ((axes[0], "output_throughput", "output tokens/s"), (axes[1], "ttft", "TTFT p50 (s)")):
