@@ -19,11 +19,13 @@ Definitions (times on the simulator's virtual clock, in seconds):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from servelab.scheduling.request import RequestMetrics
+from servelab.scheduling.simulator.quantiles import streaming_percentiles
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,14 @@ def inter_token_gaps(requests: list[RequestMetrics], batch: int = 4096) -> np.nd
     times = [m.token_times for m in requests if len(m.token_times) > 1]
     out = np.empty(sum(len(t) for t in times) - len(times))
     pos = 0
+    for gaps in _gap_chunks(times, batch):
+        out[pos:pos + len(gaps)] = gaps
+        pos += len(gaps)
+    return out
+
+
+def _gap_chunks(times: list[list[float]], batch: int = 4096) -> Iterator[np.ndarray]:
+    """The gaps of ``batch`` requests' token times at a time (float64 arrays), in request order."""
     for lo in range(0, len(times), batch):
         chunk = times[lo:lo + batch]
         lengths = np.fromiter((len(t) for t in chunk), dtype=np.int64, count=len(chunk))
@@ -68,10 +78,16 @@ def inter_token_gaps(requests: list[RequestMetrics], batch: int = 4096) -> np.nd
         gaps = np.diff(flat)
         keep = np.ones(len(gaps), dtype=bool)
         keep[np.cumsum(lengths)[:-1] - 1] = False  # the gap from one request's last token to the next's first
-        gaps = gaps[keep]
-        out[pos:pos + len(gaps)] = gaps
-        pos += len(gaps)
-    return out
+        yield gaps[keep]
+
+
+def itl_summary(requests: list[RequestMetrics], failed: int = 0) -> LatencySummary:
+    """:meth:`LatencySummary.of` of :func:`inter_token_gaps` without holding the gaps (a
+    million-request run's would take 1 GB): percentiles exact (:mod:`.quantiles`), the mean the
+    sum of per-batch sums over the count."""
+    times = [m.token_times for m in requests if len(m.token_times) > 1]
+    count, mean, (p50, p90, p99) = streaming_percentiles(lambda: _gap_chunks(times), (50, 90, 99))
+    return LatencySummary(mean, p50, p90, p99, count, failed)
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,8 @@ class SimulationResult:
         self._ttft = np.array([m.ttft for m in ok if m.ttft is not None])
         self._tpot = np.array([m.tpot for m in ok if m.tpot is not None])
         self._e2e = np.array([m.e2e for m in ok])
-        self._itl = inter_token_gaps(ok)
+        self._itl: np.ndarray | None = None  # built on first read: 1 GB for a million requests
+        self._itl_summary: LatencySummary | None = None
 
     # ---- latencies ---------------------------------------------------------
 
@@ -120,6 +137,8 @@ class SimulationResult:
 
     @property
     def itl(self) -> np.ndarray:
+        if self._itl is None:
+            self._itl = inter_token_gaps(self._ok)
         return self._itl
 
     @property
@@ -131,6 +150,10 @@ class SimulationResult:
         with ``failed`` (the requests that have no sample because they failed) beside it."""
         if name not in ("ttft", "itl", "tpot", "e2e"):
             raise ValueError(f"latency name {name!r}; valid: ttft, itl, tpot, e2e")
+        if name == "itl":  # the gaps are never held for this (see itl_summary)
+            if self._itl_summary is None:
+                self._itl_summary = itl_summary(self._ok, self.num_failed)
+            return self._itl_summary
         return LatencySummary.of(getattr(self, name), failed=self.num_failed)
 
     # ---- rates -------------------------------------------------------------------
