@@ -183,121 +183,219 @@ static int64_t block_bytes(int64_t fmt, int64_t group) {
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define QG_AVX512 1
-/* 32 weights from 16 bytes: fmt Q4_0 / Q4_1 nibbles (byte j: weights j, j + 16) or w4a16 nibbles
- * (byte j: weights 2j, 2j + 1), as two float vectors q * d + m. */
-static inline void nib32_avx512(const uint8_t *qs, int interleaved, float d, float m, __m512 *w0, __m512 *w1) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    if (interleaved) {
-        const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
-        lo = a;
-        hi = b;
-    }
-    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vd, vm);
-    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vd, vm);
-}
-
-static inline void int8x32_avx512(const int8_t *q, float d, __m512 *w0, __m512 *w1) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)q);
-    const __m512 vd = _mm512_set1_ps(d);
-    *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), vd);
-    *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))), vd);
-}
+/* The vector path, per 32-weight block of a weight row: the block's weights as two float vectors
+ * w = q * d + m (one rounding: fma), then one fma per x row and vector, lane l of a row's
+ * accumulator summing the products at k = l mod 16 in increasing k.
+ *
+ * Why it is shaped this way (a decode step is bound by the decode's instruction count, not by
+ * memory: SmolLM2's Q4_1 weights fit in this machine's L3):
+ * - 4-bit formats look w up in a 16-entry table fma(0..15, d, m) (one vpermps per 16 weights,
+ *   which reads only an index's low 4 bits, so the low nibble needs no mask) instead of
+ *   converting every nibble to float and scaling it: the same value, fma(q, d, m), in fewer
+ *   instructions.
+ * - The float16 scales of 16 blocks are gathered and converted together into float arrays
+ *   (QG_SEG blocks a segment), so a block's scale is a broadcast load, not a scalar conversion.
+ * - Up to QG_XT x rows: the decoded vectors feed the rows' fmas from registers. More rows: a
+ *   segment of QG_NB weight rows is decoded once into an L1 buffer and every tile of x rows
+ *   reads it, so a block is decoded once per call, not once per tile.
+ * Either way an output's operations are the same (the same w, the same fmas in the same order),
+ * so its bits do not depend on the batch. */
+#define QG_NB 4   /* weight rows decoded together: each x load feeds QG_NB x 2 FMAs */
+#define QG_XT 4   /* x rows per register tile */
+#define QG_SEG 16 /* blocks per segment (one gather of their scales) */
 
 static inline int avx512_format(int64_t fmt, int64_t K, int64_t group) {
     return K % 32 == 0 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0 || fmt == FMT_INT8
                            || (fmt == FMT_W4A16 && group % 32 == 0));
 }
 
-/* Weights [k0, k0 + 32) of one row (block b) as two float vectors. */
-static inline void decode32_avx512(int64_t fmt, const uint8_t *w, int64_t k0, int64_t b, const float *scales,
-                                   const uint8_t *zeros, int64_t group, __m512 *w0, __m512 *w1) {
-    switch (fmt) {
-    case FMT_Q4_0: {
-        const uint8_t *blk = w + b * 18;
-        const float d = half_to_float(blk);
-        nib32_avx512(blk + 2, 0, d, -8.0f * d, w0, w1);
-        break;
-    }
-    case FMT_Q4_1: {
-        const uint8_t *blk = w + b * 20;
-        nib32_avx512(blk + 4, 0, half_to_float(blk), half_to_float(blk + 2), w0, w1);
-        break;
-    }
-    case FMT_Q8_0: {
-        const uint8_t *blk = w + b * 34;
-        int8x32_avx512((const int8_t *)(blk + 2), half_to_float(blk), w0, w1);
-        break;
-    }
-    case FMT_INT8:
-        int8x32_avx512((const int8_t *)(w + k0), 1.0f, w0, w1);
-        break;
-    default: {  /* w4a16: 32 weights in 16 bytes, in group k0 / group */
-        const int64_t g = k0 / group;
-        nib32_avx512(w + k0 / 2, 1, scales[g], -(float)zeros[g] * scales[g], w0, w1);
-        break;
-    }
+/* d[j], m[j] (w = q * d + m) of blocks b0 .. b0 + nb - 1 (nb <= QG_SEG) of one weight row. */
+static inline void seg_scales(int64_t fmt, const uint8_t *row, int64_t b0, int64_t nb, const float *scales,
+                              const uint8_t *zeros, int64_t group, float *d, float *m) {
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0) {
+        const int stride = fmt == FMT_Q4_0 ? 18 : (fmt == FMT_Q4_1 ? 20 : 34);
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                 15), _mm512_set1_epi32(stride));
+        const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+        /* 4 bytes at each block's start: d, then m (Q4_1) or the first quants (unused); in the row */
+        const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, idx, row + b0 * stride, 1);
+        const __m512 vd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        __m512 vm;
+        if (fmt == FMT_Q4_1)
+            vm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        else if (fmt == FMT_Q4_0)
+            vm = _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));  /* exact: a power of two */
+        else
+            vm = _mm512_setzero_ps();
+        _mm512_storeu_ps(d, vd);
+        _mm512_storeu_ps(m, vm);
+    } else if (fmt == FMT_W4A16) {  /* 32-weight chunk b lies in group b * 32 / group */
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t g = (b0 + j) * 32 / group;
+            d[j] = scales[g];
+            m[j] = -(float)zeros[g] * scales[g];
+        }
+    } else {  /* int8: the channel scale is applied to the sum */
+        for (int64_t j = 0; j < nb; j++) {
+            d[j] = 1.0f;
+            m[j] = 0.0f;
+        }
     }
 }
 
-#define QG_NB 4  /* weight rows decoded together: each x load feeds QG_NB FMAs */
-#define QG_XT 4  /* x rows per pass */
-static inline __attribute__((always_inline)) void block_avx512_t(
-        int64_t fmt, const float *xr, int64_t xs, int64_t tile, int64_t K, const uint8_t *w, int64_t row_bytes,
-        int64_t n0, int64_t nn, const float *scales, const uint8_t *zeros, int64_t group, int64_t groups,
-        const float *bias, float *out, int64_t N, const int XT) {
-    __m512 a[QG_NB][QG_XT];
-    const uint8_t *wr[QG_NB];
-    const float *sr[QG_NB];
-    const uint8_t *zr[QG_NB];
-    const float *xp[QG_XT];
-    for (int i = 0; i < QG_NB; i++) {  /* past N: the last row again, computed and not written */
-        const int64_t n = n0 + (i < nn ? i : nn - 1);
-        wr[i] = w + n * row_bytes;
-        sr[i] = scales ? scales + n * groups : 0;
-        zr[i] = zeros ? zeros + n * groups : 0;
+/* Weights [32 b, 32 b + 32) of one row as two float vectors, from its scale d and offset m. */
+static inline __attribute__((always_inline)) void decode32(int64_t fmt, const uint8_t *row, int64_t b, float d,
+                                                           float m, __m512 *w0, __m512 *w1) {
+    if (fmt == FMT_Q8_0 || fmt == FMT_INT8) {
+        const int8_t *q = (const int8_t *)(fmt == FMT_Q8_0 ? row + b * 34 + 2 : row + b * 32);
+        const __m512 vd = _mm512_set1_ps(d);
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), vd);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), vd);
+        return;
     }
-    for (int t = 0; t < XT; t++) xp[t] = xr + (t < tile ? t : tile - 1) * xs;
-    for (int i = 0; i < QG_NB; i++)
-        for (int t = 0; t < XT; t++) a[i][t] = _mm512_setzero_ps();
-    for (int64_t k0 = 0, b = 0; k0 < K; k0 += 32, b++) {
-        __m512 w0[QG_NB], w1[QG_NB];
-        for (int i = 0; i < QG_NB; i++) decode32_avx512(fmt, wr[i], k0, b, sr[i], zr[i], group, &w0[i], &w1[i]);
-        for (int t = 0; t < XT; t++) {
-            const __m512 x0 = _mm512_loadu_ps(xp[t] + k0), x1 = _mm512_loadu_ps(xp[t] + k0 + 16);
-            for (int i = 0; i < QG_NB; i++) {
-                a[i][t] = _mm512_fmadd_ps(w0[i], x0, a[i][t]);
-                a[i][t] = _mm512_fmadd_ps(w1[i], x1, a[i][t]);
-            }
-        }
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_ps(d), _mm512_set1_ps(m));
+    if (fmt == FMT_W4A16) {  /* byte j holds weights 2j (low nibble) and 2j + 1 */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(row + b * 16)), m8 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(q, m8), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m8);
+        *w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);
+        *w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table);
+        return;
     }
-    for (int64_t i = 0; i < nn; i++) {
-        const int64_t n = n0 + i;
-        for (int64_t t = 0; t < tile; t++) {
+    /* Q4_0 / Q4_1: byte j holds weights j (low nibble) and j + 16 */
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b * (fmt == FMT_Q4_1 ? 20 : 18)
+                                                                             + (fmt == FMT_Q4_1 ? 4 : 2))));
+    *w0 = _mm512_permutexvar_ps(v, table);  /* vpermps reads an index's low 4 bits: the low nibble */
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);  /* a byte >> 4: the high nibble */
+}
+
+/* out[t, n0 + i] for t < tile, i < nn (<= QG_NB) from the lane accumulators acc[t][i]: lanes added
+ * in order, then int8's channel scale, then the bias. */
+static inline void finish(int64_t fmt, const __m512 *acc, int64_t tile, int64_t n0, int64_t nn,
+                          const float *scales, const float *bias, float *out, int64_t N) {
+    for (int64_t t = 0; t < tile; t++)
+        for (int64_t i = 0; i < nn; i++) {
+            const int64_t n = n0 + i;
             float lanes[16], sum = 0.0f;
-            _mm512_storeu_ps(lanes, a[i][t]);
+            _mm512_storeu_ps(lanes, acc[t * QG_NB + i]);
             for (int l = 0; l < 16; l++) sum += lanes[l];
             if (fmt == FMT_INT8) sum *= scales[n];
             out[t * N + n] = sum + (bias ? bias[n] : 0.0f);
         }
+}
+
+typedef struct {
+    int64_t fmt, K, row_bytes, group, groups, N;
+    const uint8_t *w, *zeros;
+    const float *scales, *bias;
+} qg_args;
+
+static inline void row_pointers(const qg_args *g, int64_t n0, int64_t nn, const uint8_t **wr, const float **sr,
+                                const uint8_t **zr) {
+    for (int i = 0; i < QG_NB; i++) {  /* past N: the last row again, computed and not written */
+        const int64_t n = n0 + (i < nn ? i : nn - 1);
+        wr[i] = g->w + n * g->row_bytes;
+        sr[i] = g->scales ? g->scales + n * g->groups : 0;
+        zr[i] = g->zeros ? g->zeros + n * g->groups : 0;
     }
 }
 
-/* out[t * N + n0 + i] = sum_k x[t, k] * W[n0 + i, k] for t < tile (<= QG_XT), i < nn (<= QG_NB).
- * Lane l of each accumulator sums the products at k = l mod 16 in increasing k; lanes are added
- * in order at the end: the same operations for an output whatever the batch or the grouping. */
-static void block_avx512(int64_t fmt, const float *xr, int64_t xs, int64_t tile, int64_t K, const uint8_t *w,
-                         int64_t row_bytes, int64_t n0, int64_t nn, const float *scales, const uint8_t *zeros,
-                         int64_t group, int64_t groups, const float *bias, float *out, int64_t N) {
-    if (tile == 1)
-        block_avx512_t(fmt, xr, xs, tile, K, w, row_bytes, n0, nn, scales, zeros, group, groups, bias, out, N, 1);
-    else if (tile == 2)
-        block_avx512_t(fmt, xr, xs, tile, K, w, row_bytes, n0, nn, scales, zeros, group, groups, bias, out, N, 2);
-    else
-        block_avx512_t(fmt, xr, xs, tile, K, w, row_bytes, n0, nn, scales, zeros, group, groups, bias, out, N, 4);
+/* Up to QG_XT x rows (XT a compile-time 1, 2 or 4; rows past tile repeat its last) against weight
+ * rows n0 .. n0 + nn - 1, every block decoded into registers. */
+static inline __attribute__((always_inline)) void tile_regs(const qg_args *g, const float *xr, int64_t xs,
+                                                            int64_t tile, int64_t n0, int64_t nn, float *out,
+                                                            const int XT) {
+    const int64_t fmt = g->fmt, nblocks = g->K / 32;
+    const uint8_t *wr[QG_NB], *zr[QG_NB];
+    const float *sr[QG_NB], *xp[QG_XT];
+    float d[QG_NB][QG_SEG], m[QG_NB][QG_SEG];
+    __m512 a[QG_XT * QG_NB];
+    row_pointers(g, n0, nn, wr, sr, zr);
+    for (int t = 0; t < XT; t++) xp[t] = xr + (t < tile ? t : tile - 1) * xs;
+    for (int j = 0; j < XT * QG_NB; j++) a[j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nblocks; b0 += QG_SEG) {
+        const int64_t nb = nblocks - b0 < QG_SEG ? nblocks - b0 : QG_SEG;
+        for (int i = 0; i < QG_NB; i++) seg_scales(fmt, wr[i], b0, nb, sr[i], zr[i], g->group, d[i], m[i]);
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t b = b0 + j;
+            __m512 w0[QG_NB], w1[QG_NB];
+            for (int i = 0; i < QG_NB; i++) decode32(fmt, wr[i], b, d[i][j], m[i][j], &w0[i], &w1[i]);
+            for (int t = 0; t < XT; t++) {
+                const __m512 x0 = _mm512_loadu_ps(xp[t] + 32 * b), x1 = _mm512_loadu_ps(xp[t] + 32 * b + 16);
+                for (int i = 0; i < QG_NB; i++) {
+                    a[t * QG_NB + i] = _mm512_fmadd_ps(w0[i], x0, a[t * QG_NB + i]);
+                    a[t * QG_NB + i] = _mm512_fmadd_ps(w1[i], x1, a[t * QG_NB + i]);
+                }
+            }
+        }
+    }
+    finish(fmt, a, tile, n0, nn, g->scales, g->bias, out, g->N);
+}
+
+static void tile_regs_any(const qg_args *g, const float *xr, int64_t xs, int64_t tile, int64_t n0, int64_t nn,
+                          float *out) {
+    if (tile == 1) tile_regs(g, xr, xs, tile, n0, nn, out, 1);
+    else if (tile == 2) tile_regs(g, xr, xs, tile, n0, nn, out, 2);
+    else tile_regs(g, xr, xs, tile, n0, nn, out, 4);
+}
+
+/* One segment of decoded weights buf [QG_NB][QG_SEG * 32] (blocks b0 .. b0 + nb - 1) into the
+ * accumulators acc [QG_XT * QG_NB] of up to QG_XT x rows, in registers for the segment. */
+static inline __attribute__((always_inline)) void tile_buf(const float *buf, int64_t nb, const float *xr,
+                                                           int64_t xs, int64_t tile, int64_t k0, __m512 *acc,
+                                                           const int XT) {
+    const float *xp[QG_XT];
+    __m512 a[QG_XT * QG_NB];
+    for (int t = 0; t < XT; t++) xp[t] = xr + (t < tile ? t : tile - 1) * xs + k0;
+    for (int j = 0; j < XT * QG_NB; j++) a[j] = acc[j];
+    for (int64_t k = 0; k < 32 * nb; k += 16) {
+        __m512 w[QG_NB];  /* each weight vector loaded once for the tile's rows */
+        for (int i = 0; i < QG_NB; i++) w[i] = _mm512_load_ps(buf + i * QG_SEG * 32 + k);
+        for (int t = 0; t < XT; t++) {
+            const __m512 x = _mm512_loadu_ps(xp[t] + k);
+            for (int i = 0; i < QG_NB; i++) a[t * QG_NB + i] = _mm512_fmadd_ps(w[i], x, a[t * QG_NB + i]);
+        }
+    }
+    for (int j = 0; j < XT * QG_NB; j++) acc[j] = a[j];
+}
+
+/* All `rows` x rows (> QG_XT) against weight rows n0 .. n0 + nn - 1: each segment of the weight
+ * rows is decoded once into buf, then every x tile accumulates from it. */
+static void rows_buffered(const qg_args *g, const float *x, int64_t xs, int64_t rows, int64_t n0, int64_t nn,
+                          float *out) {
+    const int64_t fmt = g->fmt, nblocks = g->K / 32;
+    const uint8_t *wr[QG_NB], *zr[QG_NB];
+    const float *sr[QG_NB];
+    float d[QG_SEG], m[QG_SEG];
+    float buf[QG_NB * QG_SEG * 32] __attribute__((aligned(64)));
+    __m512 acc[QG_MAX_ROWS / QG_XT][QG_XT * QG_NB];
+    row_pointers(g, n0, nn, wr, sr, zr);
+    for (int64_t r0 = 0; r0 < rows; r0 += QG_XT)
+        for (int j = 0; j < QG_XT * QG_NB; j++) acc[r0 / QG_XT][j] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nblocks; b0 += QG_SEG) {
+        const int64_t nb = nblocks - b0 < QG_SEG ? nblocks - b0 : QG_SEG;
+        for (int i = 0; i < QG_NB; i++) {
+            seg_scales(fmt, wr[i], b0, nb, sr[i], zr[i], g->group, d, m);
+            for (int64_t j = 0; j < nb; j++) {
+                __m512 w0, w1;
+                decode32(fmt, wr[i], b0 + j, d[j], m[j], &w0, &w1);
+                _mm512_store_ps(buf + i * QG_SEG * 32 + 32 * j, w0);
+                _mm512_store_ps(buf + i * QG_SEG * 32 + 32 * j + 16, w1);
+            }
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += QG_XT) {
+            const int64_t tile = rows - r0 < QG_XT ? rows - r0 : QG_XT;
+            const float *xr = x + r0 * xs;
+            if (tile == 1) tile_buf(buf, nb, xr, xs, tile, 32 * b0, acc[r0 / QG_XT], 1);
+            else if (tile == 2) tile_buf(buf, nb, xr, xs, tile, 32 * b0, acc[r0 / QG_XT], 2);
+            else tile_buf(buf, nb, xr, xs, tile, 32 * b0, acc[r0 / QG_XT], 4);
+        }
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += QG_XT)
+        finish(fmt, acc[r0 / QG_XT], rows - r0 < QG_XT ? rows - r0 : QG_XT, n0, nn, g->scales, g->bias,
+               out + r0 * g->N, g->N);
 }
 #endif
 
@@ -363,15 +461,17 @@ void servelab_quant_gemm(int64_t fmt, const float *x, int64_t x_stride, int64_t 
     const int64_t groups = fmt == FMT_W4A16 ? K / group : (fmt == FMT_INT8 ? 1 : 0);
 #ifdef QG_AVX512
     if (avx512_format(fmt, K, group)) {
+        const qg_args g = {fmt, K, w_row_bytes, group, groups, N, w, zeros, scales, bias};
         const int64_t chunks = (N + QG_NB - 1) / QG_NB;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads((int)(threads > 0 ? threads : 1)) if (threads > 1 && N >= 64)
 #endif
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t n0 = c * QG_NB, nn = N - n0 < QG_NB ? N - n0 : QG_NB;
-            for (int64_t r0 = 0; r0 < rows; r0 += QG_XT)
-                block_avx512(fmt, x + r0 * x_stride, x_stride, rows - r0 < QG_XT ? rows - r0 : QG_XT, K, w,
-                             w_row_bytes, n0, nn, scales, zeros, group, groups, bias, out + r0 * N, N);
+            if (rows <= QG_XT)
+                tile_regs_any(&g, x, x_stride, rows, n0, nn, out);
+            else
+                rows_buffered(&g, x, x_stride, rows, n0, nn, out);
         }
         return;
     }
