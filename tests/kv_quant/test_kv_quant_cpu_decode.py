@@ -4,6 +4,11 @@ layouts, GQA, sliding windows; and that the ``"sdpa"`` backend routes a decode s
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,25 +23,63 @@ pytestmark = pytest.mark.skipif(cpu_decode_quant._library() is None, reason="the
 
 @st.composite
 def decode_cases(draw):
+    """Head sizes of both paths (8: rows; 16, 64, 128, 256: tiles of 16 positions), odd lengths and
+    ones across tile (16), prefetch (32) and block boundaries."""
     num_seqs = draw(st.integers(1, 4))
+    head_size = draw(st.sampled_from((8, 16, 64, 128, 256)))
+    longest = 70 if head_size <= 64 else 40  # fewer positions for the big heads: the oracle's cost
+    lens = [draw(st.one_of(st.integers(1, longest), st.sampled_from((15, 16, 17, 31, 32, 33, 47, 65)),
+                           st.integers(100, 200))) for _ in range(num_seqs)]
     return build_case(draw(st.sampled_from(FORMATS)), draw(st.sampled_from(GRANULARITIES)),
                       draw(st.sampled_from(("layer_outermost", "block_outermost"))), draw(st.sampled_from((1, 2))),
-                      draw(st.sampled_from((1, 3, 4))), draw(st.sampled_from((8, 16, 64))),
-                      draw(st.sampled_from((1, 4, 16))), [draw(st.integers(1, 70)) for _ in range(num_seqs)],
+                      draw(st.sampled_from((1, 3, 4))), head_size, draw(st.sampled_from((1, 4, 16, 64))), lens,
                       [1] * num_seqs, draw(st.sampled_from((0.1, 1.0, 8.0))), draw(st.integers(0, 2**16)))
 
 
-@settings(max_examples=60, deadline=None)
+def _check(case, window, got):
+    kwargs = {} if window is None else {"sliding_window": window}
+    want = oracle(case, **kwargs)
+    # float32 sums over up to 200 positions of values up to ~30: a few float32 ulps of the largest value
+    tolerance = 1e-5 * max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=tolerance)
+
+
+@settings(max_examples=80, deadline=None)
 @given(case=decode_cases(), window=st.sampled_from((None, 1, 5, 33)))
 def test_c_kernel_matches_float64_oracle(case, window):
-    kwargs = {} if window is None else {"sliding_window": window}
     assert cpu_decode_quant.usable(case.query, case.key_cache, case.value_cache)
     got = cpu_decode_quant.paged_decode(case.query, case.key_cache, case.value_cache, case.k_scale, case.v_scale,
                                         case.block_table, case.seq_lens, case.query.shape[-1] ** -0.5, window)
-    want = oracle(case, **kwargs)
-    # float32 sums over up to 70 positions of values up to ~30: a few float32 ulps of the largest value
-    tolerance = 1e-5 * max(1.0, float(want.abs().max()))
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=tolerance)
+    _check(case, window, got)
+
+
+_PORTABLE = """
+import sys, torch
+from servelab.attention import cpu_kernel_build, cpu_decode_quant
+cpu_kernel_build.FLAG_SETS = (("-O3",),)  # no -march=native: the paths without AVX-512
+args = torch.load(sys.argv[1])
+assert "-march=native" not in cpu_kernel_build.load().flags
+torch.save([cpu_decode_quant.paged_decode(*a) for a in args], sys.argv[2])
+"""
+
+
+def test_portable_build_matches_float64_oracle(tmp_path):
+    """The library built with plain -O3 (no AVX-512: convert_row instead of the widening loads)
+    against the oracle: both paths, every format, a sliding window."""
+    cases = [(build_case(fmt, granularity, "layer_outermost", 2, 3, head_size, 16, [37, 5, 130], [1, 1, 1], 1.0,
+                         seed), window)
+             for seed, (fmt, granularity, head_size, window) in enumerate(
+                 [("int8", "token_head", 64, None), ("fp8_e4m3", "head", 128, 33), ("fp8_e5m2", "token_head", 16, 5),
+                  ("int8", "tensor", 8, None)])]
+    # copies: the pages and scales are views of one buffer, which torch.save refuses to store twice
+    args = [(*(t.clone() for t in (c.query, c.key_cache, c.value_cache, c.k_scale, c.v_scale, c.block_table,
+                                   c.seq_lens)), c.query.shape[-1] ** -0.5, w) for c, w in cases]
+    torch.save(args, tmp_path / "args.pt")
+    env = {**os.environ, "SERVELAB_KERNEL_CACHE": str(tmp_path / "kernels")}
+    subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")], env=env,
+                   check=True, timeout=300, cwd=Path(__file__).parents[2])
+    for (case, window), got in zip(cases, torch.load(tmp_path / "out.pt")):
+        _check(case, window, got)
 
 
 def test_sdpa_decode_step_uses_the_kernel(monkeypatch):

@@ -5,11 +5,14 @@
  * servelab/reference/paged_attention.py (dequantize, then attend). Why a kernel: a decode step
  * reads every sequence's whole context once per layer, and that read is the floor of the
  * step; over quantized pages it is 1 byte per element (plus one float32 scale per token and
- * head) instead of 4, provided nothing makes a dequantized copy first. Here each head reads
- * its positions straight from the pages through the block table, converts one row of D
- * bytes to float32 (int8 by a cast, float8 by integer field moves) into a small buffer, and
- * uses it for the G query heads of its group; the scale multiplies the dot product (K) and
- * the softmax weight (V), not every element.
+ * head) instead of 4, provided nothing makes a dequantized copy first. Each head reads its
+ * positions straight from the pages through the block table, converts rows of D bytes to
+ * float32 (int8 by a cast, float8 by integer field moves) into a small buffer, and uses them for
+ * the G query heads of its group; the scale multiplies the dot product (K) and the softmax
+ * weight (V), not every element. Head sizes that are multiples of 16 take the tiled path
+ * (attend_head_tiled: 16 rows converted at once, AVX-512 widening loads, one transposing lane sum
+ * per 16 dot products, output chunks in registers, rows prefetched ahead); others the row path
+ * (attend_head_rows: one row at a time).
  *
  * Layouts:
  *   q        float32, row r, query head j = h * G + g at q + r * q_row_stride + j * D
@@ -23,14 +26,19 @@
  *   out      float32 [rows, Hk * G, D]
  * window > 0 restricts row r to its last `window` positions.
  *
- * Order (deterministic): dot products in 16 lanes over d, lanes summed in increasing order; softmax max and sum over
- * positions in increasing order; each head computed by one thread, so every thread count
- * gives the same bits.
+ * Order (deterministic): dot products in 16 lanes over d (tiled path: two chains of alternate
+ * chunks), lanes summed by a fixed tree; softmax max and sum in 16 lanes, then the lanes by a fixed
+ * tree; values accumulated over positions in increasing order (tiled path: even and odd positions
+ * of a tile in two chains, added at the tile's end); each head computed by one thread, so every
+ * thread count gives the same bits.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_HEAD_SIZE 512
 #define LANES 16
@@ -105,7 +113,52 @@ static inline float exp_nonpositive(float x) {
          ++p, (++offset == (block_size) ? (offset = 0, ++block_index_,                                     \
                                            block = p < (len) ? (table)[block_index_] : 0) : 0))
 
-static inline __attribute__((always_inline)) void attend_head(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+
+static inline vf bits_to_vf(vu32 x) { vf f; memcpy(&f, &x, sizeof(f)); return f; }
+static inline vu32 vf_to_bits(vf x) { vu32 u; memcpy(&u, &x, sizeof(u)); return u; }
+
+/* The largest of n floats and their sum, in 16 lanes (a scalar max / sum is a chain of dependent
+ * operations the compiler may not reorder: it was 11% of the kernel). Fixed order: deterministic. */
+static inline float lanes_max(const float* x, int64_t n) {
+    vf m = vsplat(-INFINITY);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf y = vload(x + i);
+        const vu32 take = (vu32)(y > m);  /* lanes of all ones where y is larger (C has no vector ?:) */
+        m = bits_to_vf((vf_to_bits(y) & take) | (vf_to_bits(m) & ~take));
+    }
+    float r = -INFINITY;
+    for (int j = 0; j < LANES; ++j) r = m[j] > r ? m[j] : r;
+    for (; i < n; ++i) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+static inline float lanes_sum(const float* x, int64_t n) {
+    vf a = vsplat(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) a += vload(x + i);
+    float r = hsum(a);
+    for (; i < n; ++i) r += x[i];
+    return r;
+}
+
+/* Softmax over s[g * width + begin .. len) in place, for every query head g; out zeroed. */
+static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin, int64_t len, int64_t group,
+                                int64_t d, float* restrict out) {
+    for (int64_t g = 0; g < group; ++g) {
+        float* sg = s + g * width;
+        const float m = lanes_max(sg + begin, len - begin);
+        /* weights under e^-69 (1e-30 of the largest) are 0: they change nothing a float32 sum keeps,
+         * and their products with small scales would be denormals, which are slow on x86 */
+        for (int64_t p = begin; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
+        const float inv = 1.0f / lanes_sum(sg + begin, len - begin);
+        for (int64_t p = begin; p < len; ++p) sg[p] *= inv;
+        memset(out + g * d, 0, sizeof(float) * (size_t)d);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_head_rows(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
                         const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
                         const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
                         int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format, float scale,
@@ -128,18 +181,7 @@ static inline __attribute__((always_inline)) void attend_head(const float* restr
             s[g * width + p] = dot * factor;
         }
     }
-    for (int64_t g = 0; g < group; ++g) {  /* softmax over [begin, len) */
-        float* sg = s + g * width;
-        float m = -INFINITY, total = 0.0f;
-        for (int64_t p = begin; p < len; ++p) m = sg[p] > m ? sg[p] : m;
-        /* weights under e^-69 (1e-30 of the largest) are 0: they change nothing a float32 sum keeps,
-         * and their products with small scales would be denormals, which are slow on x86 */
-        for (int64_t p = begin; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
-        for (int64_t p = begin; p < len; ++p) total += sg[p];
-        const float inv = 1.0f / total;
-        for (int64_t p = begin; p < len; ++p) sg[p] *= inv;
-        memset(out + g * d, 0, sizeof(float) * (size_t)d);
-    }
+    softmax_rows(s, width, begin, len, group, d, out);
     FOR_POSITIONS(begin, len, block_size, table, block, offset, p) {  /* values: (p * v_scale) * row */
         convert_row(vh + block * cs[3] + offset * cs[4], row, d, format);
         const float v_scale = vsh[block * ss[3] + offset * ss[4]];
@@ -148,6 +190,198 @@ static inline __attribute__((always_inline)) void attend_head(const float* restr
             float* og = out + g * d;
             for (int64_t i = 0; i < d; ++i) og[i] += w * row[i];
         }
+    }
+}
+
+
+/* ---- The tiled path (head sizes that are multiples of 16): TILE positions at a time. ----
+ * Per position the row path above pays a lane sum per query head and a load / store of the
+ * output per query head; it measured ~190 cycles per position and KV head on int8 pages (SmolLM2
+ * shapes), slower than the float32 kernel reading 4x the bytes. Here a tile of TILE rows is
+ * converted once into a float32 buffer (in L1), each query head's TILE dot products are summed
+ * by one transposing tree (15 shuffle-add steps for 16 positions instead of 16 separate lane
+ * sums), and the value rows are accumulated into output chunks held in registers across the
+ * tile. Same float32 products; only the summation order differs (fixed, so still deterministic). */
+#define TILE 16
+#define VCHUNKS 8 /* output chunks of 16 floats held in registers while a tile's values accumulate */
+
+typedef struct { int64_t index, offset, block; } walk_t; /* a position's table index, offset and block */
+
+static inline walk_t walk_start(const int32_t* table, int64_t p, int64_t block_size) {
+    walk_t w = {p / block_size, p % block_size, 0};
+    w.block = table[w.index];
+    return w;
+}
+
+/* Advance to position p + 1 (the table entry past `len` is never read). */
+static inline void walk_next(walk_t* w, const int32_t* table, int64_t p, int64_t len, int64_t block_size) {
+    if (++w->offset == block_size) {
+        w->offset = 0;
+        ++w->index;
+        w->block = p + 1 < len ? table[w->index] : 0;
+    }
+}
+
+/* r[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: halves of pairs added, 16 -> 8 -> 4 -> 2
+ * -> 1 partial sums per vector, every step two shuffles and one add over two vectors. */
+static inline vf reduce_tile(const vf* x) {
+    vf b[8], c[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                         30, 31);
+    for (int i = 0; i < 4; ++i)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                         30, 31);
+    for (int i = 0; i < 2; ++i)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+               + __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
+                                         30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+           + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* convert_row over 16 values at a time (d % 16 == 0) with AVX-512 widening loads: int8 is one
+ * sign extension and one int -> float conversion per 16 values; float8 the same field moves as
+ * convert_row, the subnormal chosen by a lane mask. (Auto-vectorized, convert_row took half-width
+ * vectors and a two-step sign extension; gcc 12 lowers __builtin_convertvector from 16 bytes to 16
+ * ints element by element, hence the intrinsics.) Without AVX-512: convert_row. */
+static inline __attribute__((always_inline)) void convert_row16(const uint8_t* restrict src, float* restrict dst,
+                                                                int64_t d, int64_t format) {
+#ifdef __AVX512F__
+    for (int64_t c = 0; c < d; c += LANES) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(src + c));
+        vf x;
+        if (format == 1) {
+            x = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+        } else {
+            const vu32 b = (vu32)_mm512_cvtepu8_epi32(raw), sign = (b & 0x80) << 24;
+            const int e4 = format == 2;
+            const vu32 e = e4 ? (b >> 3) & 0xF : (b >> 2) & 0x1F, m = e4 ? b & 7 : b & 3;
+            const vu32 normal = e4 ? sign | ((e + 120) << 23) | (m << 20) : sign | ((e + 112) << 23) | (m << 21);
+            const vf sub = bits_to_vf(sign | 0x3F800000u) * (vf)_mm512_cvtepi32_ps((__m512i)m)
+                           * vsplat(e4 ? 0.001953125f : 1.52587890625e-05f); /* 2^-9, 2^-16 */
+            const vu32 is_normal = (vu32)(e != 0);
+            x = bits_to_vf((normal & is_normal) | (vf_to_bits(sub) & ~is_normal));
+        }
+        memcpy(dst + c, &x, sizeof(x));
+    }
+#else
+    convert_row(src, dst, d, format);
+#endif
+}
+
+/* Convert the n (<= TILE) rows of positions [p, p + n) to float32 rows of `d` in `rows`, and their
+ * scales to `scales`; w walks on to position p + n. `ahead` walks PREFETCH positions in front and
+ * asks for their rows: a head's rows are d bytes every s_s (the other heads between them) and one
+ * block's rows are not next to the next block's, a pattern the hardware prefetcher left mostly
+ * unfetched (the first load of a row was a quarter of the kernel's samples). */
+#define PREFETCH (2 * TILE)
+static inline __attribute__((always_inline)) void load_tile(const uint8_t* restrict base, int64_t s_b, int64_t s_s,
+                                                            const float* restrict sbase, int64_t t_b, int64_t t_s,
+                                                            walk_t* w, walk_t* ahead, const int32_t* table, int64_t p,
+                                                            int64_t n, int64_t len, int64_t d, int64_t block_size,
+                                                            int64_t format, float* restrict rows,
+                                                            float* restrict scales) {
+    for (int64_t t = 0; t < n; ++t) {
+        if (p + t + PREFETCH < len) {
+            const uint8_t* next = base + ahead->block * s_b + ahead->offset * s_s;
+            for (int64_t i = 0; i < d; i += 64) __builtin_prefetch(next + i);
+            walk_next(ahead, table, p + t + PREFETCH, len, block_size);
+        }
+        convert_row16(base + w->block * s_b + w->offset * s_s, rows + t * d, d, format);
+        scales[t] = sbase[w->block * t_b + w->offset * t_s];
+        walk_next(w, table, p + t, len, block_size);
+    }
+}
+
+/* s[g * width + p + t] = factor * k_scale[t] * (q_g . row_t) for the n (<= TILE) rows of a tile. */
+static inline __attribute__((always_inline)) void score_tile(const float* restrict q, const float* restrict rows,
+                                                             const float* restrict k_scales, int64_t n, int64_t p,
+                                                             int64_t group, int64_t d, float factor,
+                                                             float* restrict s, int64_t width) {
+    const int64_t chunks = d / LANES;
+    for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d;
+        vf acc[TILE];
+        for (int64_t t = 0; t < TILE; ++t) {
+            vf a = vsplat(0.0f), b = vsplat(0.0f); /* two chains: half the FMA latency in a row */
+            if (t < n) {
+                int64_t c = 0;
+                for (; c + 1 < chunks; c += 2) {
+                    a += vload(qg + c * LANES) * vload(rows + t * d + c * LANES);
+                    b += vload(qg + (c + 1) * LANES) * vload(rows + t * d + (c + 1) * LANES);
+                }
+                if (c < chunks) a += vload(qg + c * LANES) * vload(rows + t * d + c * LANES);
+            }
+            acc[t] = a + b;
+        }
+        const vf dots = reduce_tile(acc);
+        for (int64_t t = 0; t < n; ++t) s[g * width + p + t] = dots[t] * (factor * k_scales[t]);
+    }
+}
+
+/* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, the
+ * output held in registers VCHUNKS chunks at a time. */
+static inline __attribute__((always_inline)) void accumulate_tile(const float* restrict rows,
+                                                                  const float* restrict v_scales, int64_t n,
+                                                                  int64_t p, int64_t group, int64_t d,
+                                                                  const float* restrict s, int64_t width,
+                                                                  float* restrict out) {
+    const int64_t chunks = d / LANES;
+    for (int64_t g = 0; g < group; ++g) {
+        float w[TILE];
+        for (int64_t t = 0; t < n; ++t) w[t] = s[g * width + p + t] * v_scales[t];
+        for (int64_t c0 = 0; c0 < chunks; c0 += VCHUNKS) {
+            const int64_t m = chunks - c0 < VCHUNKS ? chunks - c0 : VCHUNKS;
+            float* og = out + g * d + c0 * LANES;
+            /* even and odd positions in separate accumulators: twice the independent FMA chains (one
+             * chain per chunk was bound by the FMA latency) */
+            vf acc[VCHUNKS], odd[VCHUNKS];
+            for (int64_t j = 0; j < m; ++j) acc[j] = vload(og + j * LANES), odd[j] = vsplat(0.0f);
+            int64_t t = 0;
+            for (; t + 1 < n; t += 2) {
+                const vf w0 = vsplat(w[t]), w1 = vsplat(w[t + 1]);
+                for (int64_t j = 0; j < m; ++j) {
+                    acc[j] += w0 * vload(rows + t * d + (c0 + j) * LANES);
+                    odd[j] += w1 * vload(rows + (t + 1) * d + (c0 + j) * LANES);
+                }
+            }
+            if (t < n)
+                for (int64_t j = 0; j < m; ++j) acc[j] += vsplat(w[t]) * vload(rows + t * d + (c0 + j) * LANES);
+            for (int64_t j = 0; j < m; ++j) {
+                const vf sum = acc[j] + odd[j];
+                memcpy(og + j * LANES, &sum, sizeof(vf));
+            }
+        }
+    }
+}
+
+/* One KV head over positions [begin, len) by tiles: scores, softmax, values (d % LANES == 0). */
+static inline __attribute__((always_inline)) void attend_head_tiled(
+    const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v, const int64_t* restrict cs,
+    const float* restrict ks, const float* restrict vs, const int64_t* restrict ss, const int32_t* restrict table,
+    int64_t begin, int64_t len, int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format,
+    float scale, float* restrict s, int64_t width, float* restrict out) {
+    float rows[TILE * MAX_HEAD_SIZE] __attribute__((aligned(64)));
+    float scales[TILE];
+    const int64_t lookahead = begin + PREFETCH < len ? begin + PREFETCH : begin;
+    walk_t w = walk_start(table, begin, block_size), ahead = walk_start(table, lookahead, block_size);
+    for (int64_t p = begin; p < len; p += TILE) {
+        const int64_t n = len - p < TILE ? len - p : TILE;
+        load_tile(k + h * cs[2], cs[0], cs[1], ks + h * ss[2], ss[0], ss[1], &w, &ahead, table, p, n, len, d,
+                  block_size, format, rows, scales);
+        score_tile(q, rows, scales, n, p, group, d, scale, s, width);
+    }
+    softmax_rows(s, width, begin, len, group, d, out);
+    w = walk_start(table, begin, block_size);
+    ahead = walk_start(table, lookahead, block_size);
+    for (int64_t p = begin; p < len; p += TILE) {
+        const int64_t n = len - p < TILE ? len - p : TILE;
+        load_tile(v + h * cs[5], cs[3], cs[4], vs + h * ss[5], ss[3], ss[4], &w, &ahead, table, p, n, len, d,
+                  block_size, format, rows, scales);
+        accumulate_tile(rows, scales, n, p, group, d, s, width, out);
     }
 }
 
@@ -172,19 +406,15 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
         const int32_t* table = block_table + r * table_stride;
         float* sh = scores + x * group * width;
         float* oh = out + (r * kv_heads + h) * group * head_size;
-        /* the common head sizes as compile-time constants: fully unrolled row conversions and dots */
-        if (head_size == 64 && format == 1)
-            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
-                        group, 64, block_size, 1, scale, sh, width, oh);
-        else if (head_size == 128 && format == 1)
-            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
-                        group, 128, block_size, 1, scale, sh, width, oh);
-        else if (head_size == 64)
-            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
-                        group, 64, block_size, format, scale, sh, width, oh);
-        else
-            attend_head(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h,
-                        group, head_size, block_size, format, scale, sh, width, oh);
+        /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
+#define SERVELAB_ATTEND(fn, D) fn(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, \
+                                  begin, len, h, group, D, block_size, format, scale, sh, width, oh)
+        if (head_size == 64) SERVELAB_ATTEND(attend_head_tiled, 64);
+        else if (head_size == 128) SERVELAB_ATTEND(attend_head_tiled, 128);
+        else if (head_size == 256) SERVELAB_ATTEND(attend_head_tiled, 256);
+        else if (head_size % LANES == 0) SERVELAB_ATTEND(attend_head_tiled, head_size);
+        else SERVELAB_ATTEND(attend_head_rows, head_size);
+#undef SERVELAB_ATTEND
     }
     return 0;
 }
