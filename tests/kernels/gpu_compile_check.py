@@ -118,6 +118,13 @@ def main() -> int:
             dict(key_ptr="bf16", value_ptr="bf16", key_cache_ptr="bf16", value_cache_ptr="bf16",
                  slot_mapping_ptr=slot_type), {},
             dict(HEAD_SIZE=128, HEADS_PAD=8, HEAD_PAD=128, PAGE_SIZE=16), target, num_warps=4))
+    for kv_format, page, static in ((1, "i8", False), (2, "u8", False), (3, "u8", True)):  # fp8 pages as bytes
+        attempt(f"reshape_and_cache quantized bf16 -> format {kv_format} static={static}", lambda: compile_kernel(
+            cache_write._quantized_write_kernel,
+            dict(key_ptr="bf16", value_ptr="bf16", key_cache_ptr=page, value_cache_ptr=page, k_scale_ptr="fp32",
+                 v_scale_ptr="fp32", slot_mapping_ptr="i64"), dict(max_value="fp32"),
+            dict(HEAD_SIZE=128, HEADS_PAD=8, HEAD_PAD=128, PAGE_SIZE=16, STATIC_K=static, STATIC_V=static,
+                 KV_FORMAT=kv_format), target, num_warps=4))
     attempt("merge_attn_states bf16", lambda: compile_kernel(
         merge._merge_attn_states_kernel,
         dict(out_a_ptr="bf16", lse_a_ptr="fp32", out_b_ptr="bf16", lse_b_ptr="fp32", out_ptr="bf16",

@@ -30,7 +30,8 @@ def test_kernels_compile_for_gpu(arch):
     assert not failures, "\n\n".join(failures)
     assert completed.returncode == 0, completed.stderr[-3000:]
     names = " ".join(r["name"] for r in results)
-    for kernel in ("attention:", "combine splits:", "reshape_and_cache", "merge_attn_states", "lora bgmv", "lora sgmv",
+    for kernel in ("attention:", "combine splits:", "reshape_and_cache", "reshape_and_cache quantized",
+                   "merge_attn_states", "lora bgmv", "lora sgmv",
                    "fused_moe gate/up", "fused_moe down"):
         assert kernel in names
     too_big = [f"{r['name']}: {r['shared']} B" for r in results if r["shared"] > SHARED_MEMORY_BUDGET]
