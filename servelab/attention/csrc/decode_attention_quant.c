@@ -222,6 +222,16 @@ static inline void walk_next(walk_t* w, const int32_t* table, int64_t p, int64_t
     }
 }
 
+/* Advance by n positions that stay within the block (or end exactly at its end) to position p. */
+static inline void walk_skip(walk_t* w, const int32_t* table, int64_t p, int64_t len, int64_t n, int64_t block_size) {
+    w->offset += n;
+    if (w->offset == block_size) {
+        w->offset = 0;
+        ++w->index;
+        w->block = p < len ? table[w->index] : 0;
+    }
+}
+
 /* r[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: halves of pairs added, 16 -> 8 -> 4 -> 2
  * -> 1 partial sums per vector, every step two shuffles and one add over two vectors. */
 static inline vf reduce_tile(const vf* x) {
@@ -284,6 +294,21 @@ static inline __attribute__((always_inline)) void load_tile(const uint8_t* restr
                                                             int64_t n, int64_t len, int64_t d, int64_t block_size,
                                                             int64_t format, float* restrict rows,
                                                             float* restrict scales) {
+    if (w->offset + n <= block_size && ahead->offset + n <= block_size && p + n + PREFETCH <= len) {
+        /* the tile and the one PREFETCH ahead each within one block (the common case): rows s_s
+         * apart, no table walk per position */
+        const uint8_t* row = base + w->block * s_b + w->offset * s_s;
+        const uint8_t* next = base + ahead->block * s_b + ahead->offset * s_s;
+        const float* scale = sbase + w->block * t_b + w->offset * t_s;
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t i = 0; i < d; i += 64) __builtin_prefetch(next + t * s_s + i);
+            convert_row16(row + t * s_s, rows + t * d, d, format);
+            scales[t] = scale[t * t_s];
+        }
+        walk_skip(w, table, p + n, len, n, block_size);
+        walk_skip(ahead, table, p + n + PREFETCH, len, n, block_size);
+        return;
+    }
     for (int64_t t = 0; t < n; ++t) {
         if (p + t + PREFETCH < len) {
             const uint8_t* next = base + ahead->block * s_b + ahead->offset * s_s;
