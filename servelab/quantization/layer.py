@@ -77,6 +77,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer(name, tensor.contiguous())
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._kernel_call: _KernelCall | None = None  # set by the first C kernel call (forward's fast path)
 
     # -- the LinearLayer interface -------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -88,6 +89,17 @@ class QuantizedLinear(nn.Module):
         return self.method.dequantize(self.tensors(), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = self._kernel_call
+        if (call is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.MAX_ROWS
+                and x.shape[1] == self.in_features and x.dtype is torch.float32 and x.device.type == "cpu"
+                and x.stride(1) == 1 and not (torch.is_grad_enabled() and x.requires_grad)):
+            buffers = self._buffers
+            if (buffers.get(call.names[0]) is call.tensors[0] and buffers.get(call.names[1]) is call.tensors[1]
+                    and buffers.get(call.names[2]) is call.tensors[2] and buffers["bias"] is call.tensors[3]
+                    and call.tensors[0].data_ptr() == call.pointers[0]):
+                return call(x)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x (shape {tuple(x.shape)}) must be [..., in_features={self.in_features}]")
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if x.is_cuda and self.method.triton and self._triton_group_ok():
@@ -118,8 +130,14 @@ class QuantizedLinear(nn.Module):
         weight = stored.get("blocks", stored.get("qweight"))
         assert weight is not None
         bias = self.bias if self.bias is None or self.bias.dtype is torch.float32 else self.bias.float()
+        if bias is self.bias:  # the fast path's arguments, (re)made where it did not apply
+            self._kernel_call = _KernelCall(self, code, weight)
         return cpu_kernels.quant_gemm(code, x, weight, weight.stride(0) * weight.element_size(), self.out_features,
                                       stored.get("scales"), stored.get("zeros"), self.group_size or 0, bias)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self._kernel_call = None  # .to() / .cuda() replace the stored tensors: keep no reference to the old ones
+        return super()._apply(fn, recurse)
 
     def _triton_group_ok(self) -> bool:
         scales = self.tensors().get("scales")
@@ -144,6 +162,40 @@ class QuantizedLinear(nn.Module):
         group = f", group_size={self.group_size}" if self.group_size else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method.name!r}"
                 f"{group}, bias={self.bias is not None}")
+
+
+class _KernelCall:
+    """A layer's C kernel call with its arguments resolved once (the first call through the checked
+    path): a decode step calls each layer's kernel once, where the checks, the stored-tensor
+    lookups through ``nn.Module.__getattr__`` and the argument building cost more than a small
+    layer's kernel. :meth:`QuantizedLinear.forward` uses it while the layer holds the same tensor
+    objects (``names`` -> ``tensors``; a ``.to()`` or an assignment replaces them) at the same
+    address, for float32 CPU ``x`` ``[1..32, in]`` with contiguous rows outside autograd; the
+    same kernel on the same arguments as the checked path, so the same bits."""
+
+    __slots__ = ("names", "tensors", "pointers", "_args", "_out")
+
+    def __init__(self, layer: QuantizedLinear, code: int, weight: torch.Tensor) -> None:
+        buffers = layer._buffers
+        stored = [n for n in ("blocks", "qweight") if buffers.get(n) is weight][:1]
+        names = (stored[0], "scales" if "scales" in buffers else "", "zeros" if "zeros" in buffers else "")
+        self.names = names
+        self.tensors = (weight, buffers.get(names[1]), buffers.get(names[2]), buffers["bias"])
+        self.pointers = tuple(None if t is None else t.data_ptr() for t in self.tensors)
+        self._args = (code, weight.stride(0) * weight.element_size(), layer.in_features, layer.out_features,
+                      layer.group_size or 0)
+        self._out = layer.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` float32 CPU ``[rows, in]`` (1 <= rows <= 32, ``x.stride(1) == 1``) -> float32 ``[rows, out]``."""
+        code, row_bytes, k, n, group = self._args
+        w, scales, zeros, bias = self.pointers
+        rows = x.shape[0]
+        out = torch.empty(rows, self._out, dtype=torch.float32)
+        cpu_kernels.library().servelab_quant_gemm(  # type: ignore[union-attr]
+            code, x.data_ptr(), x.stride(0), rows, k, n, w, row_bytes, scales, zeros, group, bias, out.data_ptr(),
+            torch.get_num_threads())
+        return out
 
 
 class QuantizedEmbedding(nn.Module):

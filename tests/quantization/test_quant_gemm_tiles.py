@@ -80,3 +80,24 @@ def test_a_strided_x_and_the_last_weight_rows_are_read_right():
     for rows in (1, 4, 7):
         got = layer(x[:rows])
         assert torch.all((got.double() - want[:rows]).abs() <= _bound(x[:rows], layer.dense_weight()))
+
+
+@needs_kernel
+def test_the_remembered_kernel_call_gives_the_checked_paths_bits_and_follows_the_stored_tensors():
+    layer = _layer("w4a16", 32, 9, 96, 7, True, False)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(8))
+    first = layer(x)  # the checked path, which remembers the call
+    assert layer._kernel_call is not None
+    assert torch.equal(layer(x), first)  # the remembered call
+    assert torch.equal(layer(x[:1]), first[:1])
+    with pytest.raises(ValueError, match="in_features=96"):  # not the fast path's: the checked path refuses it
+        layer(torch.randn(2, 64))
+    other = _layer("w4a16", 32, 9, 96, 9, True, False)
+    layer.qweight, layer.scales, layer.zeros = other.qweight, other.scales, other.zeros  # replaced: not reused
+    want = quant_linear(x.double(), "w4a16", layer.tensors(), 96, layer.bias)
+    got = layer(x)
+    assert not torch.equal(got, first)
+    assert torch.all((got.double() - want).abs() <= _bound(x, layer.dense_weight()))
+    assert layer._kernel_call.tensors[0] is other.qweight
+    layer.to(torch.float32)  # _apply: the remembered call (and its references) dropped
+    assert layer._kernel_call is None
