@@ -10,11 +10,14 @@ average (``loadavg``): the machine may be shared, so compare ratios taken within
   tokens, ``--output`` greedy tokens each, ``--budget`` bytes of KV pool, the same for every
   dtype): preemptions, output tokens per second (wall, and per CPU second of this process: a shared
   machine inflates wall time), TTFT p50.
-- ``--part kernel``: decode attention at ``--context`` tokens x ``--batch`` sequences, SmolLM2's
-  heads (9 query / 3 KV heads of 64): the float32 C kernel over its dense K/V (what a float32
-  decode step runs) against the C kernel over int8 / fp8 pages (per layer, median of
-  ``--repeats``), each with its own K/V read floor (its bytes over the read bandwidth measured
-  in the same run).
+- ``--part kernel``: decode attention at ``--context`` tokens, SmolLM2's heads (9 query / 3 KV
+  heads of 64): the float32 C kernel over its dense K/V (what a float32 decode step runs) against
+  the C kernel over int8 / fp8 pages (per layer, median of ``--repeats``), each with its own K/V
+  read floor (its bytes over the read bandwidth measured in the same run), for each
+  ``--kernel-shapes`` BATCHxLAYERS: the calls cycle over LAYERS layers' K/V, so ``1x1`` / ``16x1``
+  keep the K/V in the last-level cache between calls (compute-bound) and ``16x12`` (1.2 GB of
+  float32 K/V per sweep) reads it from DRAM each call (the memory-bound regime a quantized read
+  is for).
 
 Usage: ``python bench/kv_quant_capacity.py --part capacity,workload,kernel [--threads 1,2]``.
 """
@@ -111,54 +114,85 @@ def _timed(fn) -> float:
     return _clock() - start
 
 
-def kernel(args, threads: int) -> list[dict]:
+def _layer_data(batch: int, context: int, gen: torch.Generator) -> tuple:
+    """One layer's float32 K (tiled, as the float32 decode step carries it) and V ``[batch * Hk,
+    context, D]``, and its int8 / fp8 pages (the same K/V quantized; token-head scales)."""
+    from servelab.attention import cpu_decode
+
+    hk, d = SMOLLM2["num_kv_heads"], SMOLLM2["head_size"]
+    keys, values = (torch.randn((batch * hk, context, d), generator=gen) for _ in range(2))
+    blocks = batch * context // 16
+    pages = {}
+    for dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        storage, granularity = kv_cache_storage(dtype, None, torch.float32)
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=hk, head_size=d, dtype=storage, kv_scale=granularity)
+        k, v, ks, vs = allocate_kv_cache(spec, 1, blocks + 1).views[0]
+        fmt = get_kv_cache_dtype(dtype)
+        for cache, scales, dense in ((k, ks, keys), (v, vs, values)):
+            rows = dense.view(batch, hk, context, d).transpose(1, 2).reshape(-1, hk, d)
+            data, row_scales = quantize_rows(rows, fmt)
+            cache[1:].view(torch.uint8).copy_(data.view(torch.uint8).view(blocks, 16, hk, d))
+            scales[1:].copy_(row_scales.view(blocks, 16, hk))
+        pages[dtype] = (k, v, ks, vs, batch * context * spec.page_size_bytes // 16)
+    return cpu_decode.tile_keys(keys), values, pages
+
+
+def kernel(args, threads: int, batch: int, layers: int) -> list[dict]:
+    """The float32 kernel against the quantized one at ``batch`` sequences of ``--context`` tokens,
+    each call on the next of ``layers`` layers' K/V: with one layer the K/V stays in the last-level
+    cache between calls (SmolLM2 at 4k x 16: 100 MB float32), with enough layers every call reads
+    from DRAM (float32 bytes per sweep > the L3). Per-call time: a sweep over the layers / layers."""
     from servelab.attention import cpu_decode, cpu_decode_quant
-    from servelab.attention.decode_kv import DecodeKV  # noqa: F401 - the float32 path's layout owner
 
     torch.set_num_threads(threads)
-    batch, context, hk, d = args.batch, args.context, SMOLLM2["num_kv_heads"], SMOLLM2["head_size"]
+    context, hk, d = args.context, SMOLLM2["num_kv_heads"], SMOLLM2["head_size"]
     group = SMOLLM2["num_q_heads"] // hk
     gen = torch.Generator().manual_seed(0)
     query = torch.randn((batch, hk * group, d), generator=gen)
     scale = d ** -0.5
     bandwidth = read_bandwidth()
     lens = torch.full((batch,), context, dtype=torch.int64)
-    # float32: the dense carried K/V the float32 decode step's kernel reads (tiles of K, rows of V)
-    keys = torch.randn((batch * hk, context, d), generator=gen)
-    tiles, values = cpu_decode.tile_keys(keys), torch.randn((batch * hk, context, d), generator=gen)
-    f32 = [_timed(lambda: cpu_decode.attend(query, tiles, values, lens, hk, context, scale))
-           for _ in range(args.repeats)]
-    results = {"float32": (statistics.median(f32), 2 * batch * hk * context * d * 4)}
-    blocks = batch * context // 16
-    for dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
-        storage, granularity = kv_cache_storage(dtype, None, torch.float32)
-        spec = FullAttentionSpec(block_size=16, num_kv_heads=hk, head_size=d, dtype=storage, kv_scale=granularity)
-        buffers = allocate_kv_cache(spec, 1, blocks + 1)
-        k, v, ks, vs = buffers.views[0]
-        fmt = get_kv_cache_dtype(dtype)
-        for cache, scales, dense in ((k, ks, keys), (v, vs, values)):  # the float32 run's K/V, quantized
-            rows = dense.view(batch, hk, context, d).transpose(1, 2).reshape(-1, hk, d)
-            data, row_scales = quantize_rows(rows, fmt)
-            cache[1:].view(torch.uint8).copy_(data.view(torch.uint8).view(blocks, 16, hk, d))
-            scales[1:].copy_(row_scales.view(blocks, 16, hk))
-        table = (torch.arange(blocks, dtype=torch.int32) + 1).view(batch, context // 16)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32)
-        times = [_timed(lambda: cpu_decode_quant.paged_decode(query, k, v, ks, vs, table, seq_lens, scale))
-                 for _ in range(args.repeats)]
-        results[dtype] = (statistics.median(times), batch * context * spec.page_size_bytes // 16)
+    data = [_layer_data(batch, context, gen) for _ in range(layers)]
+    table = (torch.arange(batch * context // 16, dtype=torch.int32) + 1).view(batch, context // 16)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
+
+    def sweep(name: str) -> None:
+        for tiles, values, pages in data:
+            if name == "float32":
+                cpu_decode.attend(query, tiles, values, lens, hk, context, scale)
+            else:
+                k, v, ks, vs, _ = pages[name]
+                cpu_decode_quant.paged_decode(query, k, v, ks, vs, table, seq_lens, scale)
+
+    f32_bytes = 2 * batch * hk * context * d * 4
+    results = {}
+    for name in ("float32", "int8", "fp8_e4m3", "fp8_e5m2"):
+        sweep(name)  # warm: first-touch page faults, and the L3 state each regime means
+        seconds = statistics.median(_timed(lambda: sweep(name)) for _ in range(args.repeats)) / layers
+        results[name] = (seconds, f32_bytes if name == "float32" else data[0][2][name][4])
     rows, load = [], os.getloadavg()[0]
+    regime = f"{layers} layers, float32 K/V {layers * f32_bytes / 1e6:.0f} MB per sweep"
     for name, (seconds, num_bytes) in results.items():
         floor = num_bytes / bandwidth
-        p = dict(model_shape="smollm2", batch=batch, context=context, threads=threads, loadavg=load, clock=args.clock,
-                 kv_cache_dtype=name, read_bandwidth_gbs=round(bandwidth / 1e9, 2))
+        p = dict(model_shape="smollm2", batch=batch, context=context, layers=layers, threads=threads, loadavg=load,
+                 clock=args.clock, kv_cache_dtype=name, read_bandwidth_gbs=round(bandwidth / 1e9, 2),
+                 float32_sweep_mb=round(layers * f32_bytes / 1e6))
         ratio = seconds / results["float32"][0]
         rows += [make_row("kv_quant_kernel", name, "decode_attention_layer", "ms", 1e3 * seconds, params=p),
                  make_row("kv_quant_kernel", name, "kv_read_floor", "ms", 1e3 * floor, params=p),
                  make_row("kv_quant_kernel", name, "over_floor", "ratio", seconds / floor, params=p),
                  make_row("kv_quant_kernel", name, "over_float32", "ratio", ratio, params=p)]
-        print(f"threads {threads} {name:9s} {1e3 * seconds:7.2f} ms/layer  floor {1e3 * floor:6.2f} ms "
-              f"({seconds / floor:.2f}x)  vs float32 {ratio:.3f}  (load {load:.1f})", flush=True)
+        print(f"threads {threads} batch {batch:3d} ({regime}) {name:9s} {1e3 * seconds:7.2f} ms/layer  floor "
+              f"{1e3 * floor:6.2f} ms ({seconds / floor:.2f}x)  vs float32 {ratio:.3f}  (load {load:.1f})", flush=True)
     return rows
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x1,16x1,16x12"`` -> [(batch, layers), ...]."""
+    try:
+        return [(int(b), int(n)) for b, n in (item.split("x") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kernel-shapes {text!r}: expected BATCHxLAYERS,... (e.g. 1x1,16x12)")
 
 
 def main() -> int:
@@ -166,7 +200,9 @@ def main() -> int:
     parser.add_argument("--part", default="capacity,workload,kernel", type=lambda text: text.split(","))
     parser.add_argument("--threads", default="1", type=comma_separated(int))
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--kernel-shapes", type=_shapes, default=_shapes("1x1,16x1,16x12"),
+                        help="kernel part: BATCHxLAYERS,... (calls cycle over LAYERS layers' K/V; 16x12 at 4k "
+                             "context: 1.2 GB of float32 K/V per sweep, beyond a 480 MB L3)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCK),
                         help="kernel timing clock: wall, or cpu (process CPU time; use with --threads 1)")
@@ -182,7 +218,8 @@ def main() -> int:
         rows += capacity()
     if "kernel" in args.part:
         for t in args.threads:
-            rows += kernel(args, t)
+            for batch, layers in args.kernel_shapes:
+                rows += kernel(args, t, batch, layers)
     if "workload" in args.part:
         torch.set_num_threads(args.threads[0])
         rows += workload(args)
