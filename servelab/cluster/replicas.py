@@ -118,7 +118,11 @@ def _replica_main(index: int, path: str, settings: dict[str, Any], threads: int,
                 for rid, prompt, params in payload:
                     pipe.add_request(list(prompt), params, request_id=rid, detokenize=False)
             elif kind == "reset":
-                pipe.kv_cache_manager.reset_prefix_cache()
+                kv = pipe.kv_cache_manager
+                kv.reset_prefix_cache()  # refused while requests hold blocks: the driver sees the index unchanged
+                # The clear is published now, with this reply: left pending, it would reach the driver's
+                # index only after the next step, so the next run's first routing would see the old cache.
+                kv.publish_kv_events(time.time())
                 conn.send(("step", [], events[:], _load(pipe)))
                 events.clear()
             continue
@@ -220,10 +224,14 @@ class Replicas:
 
     def reset_prefix_caches(self) -> None:
         """Empty every replica's prefix cache (between runs that compare routers)."""
-        for rep in self._live():
+        live = self._live()
+        for rep in live:
             rep.conn.send(("reset", None))
-        for rep in self._live():
+        for rep in live:
             self._receive(rep, {})
+            if rep.dead is None and rep.kv_index.hashes:
+                raise RuntimeError(f"replica {rep.index} still reports {len(rep.kv_index.hashes)} cached blocks "
+                                   "after a prefix-cache reset")
 
     def _live(self) -> list[_Replica]:
         return [r for r in self.replicas if r.dead is None]
