@@ -13,9 +13,10 @@ Two parts (``--part``), each appending rows to ``bench/results/results.csv``:
   communication cost, not speed-up: the params record ``os.getloadavg()``.
 - ``dp`` (component ``parallel_dp``): the first ``--num-requests`` requests of the shipped
   Mooncake conversation trace, scaled to 8-token blocks (``scaled_block_trace``: block
-  sharing kept exactly), on 2 tiny-model replicas (:class:`servelab.cluster.replicas.Replicas`)
-  behind each router, and the simulator's prediction for the same replicas, pool and
-  requests (``implementation`` ``real`` / ``sim``, metric ``prefix_hit_rate``). Two
+  sharing kept exactly), on ``--replicas`` tiny-model replicas (:class:`servelab.cluster.replicas.Replicas`)
+  behind each router, and the simulator's prediction for the same replicas, pool, scheduler
+  limits and requests (``implementation`` ``real`` / ``sim``, metric ``prefix_hit_rate``; each
+  row's ``routed`` is its own system's requests per replica). Two
   admission modes: ``sequential`` (one request in the cluster at a time, the simulator fed
   arrivals 1000 s apart: both deterministic) and ``open`` (arrivals every
   ``latency / --in-flight`` seconds, each system at its own sequential per-request
@@ -25,7 +26,7 @@ Two parts (``--part``), each appending rows to ``bench/results/results.csv``:
 Usage::
 
     python bench/parallel.py --part grid --threads 1
-    python bench/parallel.py --part dp --num-requests 1000 --num-blocks 2400
+    python bench/parallel.py --part dp --num-requests 1000 --num-blocks 1200 --replicas 4
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ GRID = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "tp3": {"tensor_parallel_
 ROUTERS = ("round_robin", "prefix_affinity", "consistent_hash")
 #: prefix_affinity's absolute balance slack scaled like the trace (8192 tokens at 512-token blocks)
 AFFINITY_KWARGS = {"balance_abs_tokens": 128}
+#: the dp replicas' max_model_len (the simulator is given the same)
+MAX_MODEL_LEN = 2048
 
 
 def _load() -> float:
@@ -127,16 +130,19 @@ def _dp_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return [(p, m) for p, m in requests if len(p) + m <= min(2000, (args.num_blocks - 2) * 8)]
 
 
-def _simulate(requests: list, router: str, args: argparse.Namespace, gap_s: float) -> tuple[float, float]:
-    """(predicted hit rate, mean request latency in simulated seconds)."""
+def _simulate(requests: list, router: str, args: argparse.Namespace, gap_s: float) -> tuple[float, float, list[int]]:
+    """(predicted hit rate, mean request latency in simulated seconds, requests per replica)."""
     from servelab.cluster import simulate_cluster
     from servelab.cluster.replicas import sequential_arrivals
+    from servelab.scheduling.config import SchedulerConfig
 
     kwargs = AFFINITY_KWARGS if router == "prefix_affinity" else None
+    # The replicas' scheduler limits and pool: max_model_len as given to them, no admission watermark.
     result = simulate_cluster(sequential_arrivals(requests, gap_s), replicas=args.replicas, router=router,
-                              num_blocks=args.num_blocks, block_size=8, router_kwargs=kwargs)
+                              num_blocks=args.num_blocks, block_size=8, router_kwargs=kwargs, watermark=0.0,
+                              scheduler_config=SchedulerConfig(max_model_len=MAX_MODEL_LEN))
     spans = [m.finish_time - m.arrival_time for m in result.cluster.requests if m.finish_time is not None]
-    return float(result.summary()["prefix_hit_rate"]), sum(spans) / max(1, len(spans))
+    return float(result.summary()["prefix_hit_rate"]), sum(spans) / max(1, len(spans)), list(result.routed)
 
 
 def run_dp(args: argparse.Namespace) -> list[dict]:
@@ -151,29 +157,32 @@ def run_dp(args: argparse.Namespace) -> list[dict]:
     rows = []
     base = {"trace": "mooncake_conversation", "num_requests": len(requests), "replicas": args.replicas,
             "num_blocks": args.num_blocks, "block_size": 8, "tokens_per_source_block": 8}
-    with Replicas(path, args.replicas, num_blocks=args.num_blocks, block_size=8, max_model_len=2048) as reps:
+    settings = {"num_blocks": args.num_blocks, "block_size": 8, "max_model_len": MAX_MODEL_LEN}
+    with Replicas(path, args.replicas, **settings) as reps:
         for router in args.routers.split(","):
             kwargs = AFFINITY_KWARGS if router == "prefix_affinity" else None
-            predicted, sim_latency = _simulate(requests, router, args, 1000.0)
+            predicted, sim_latency, predicted_routed = _simulate(requests, router, args, 1000.0)
             real_latency = 0.0
             for mode in ("sequential", "open") if args.in_flight > 1 else ("sequential",):
                 reps.reset_prefix_caches()
                 load = _load()
                 if mode == "sequential":
                     run = reps.run(prompts, params, router=router, max_in_flight=1, router_kwargs=kwargs)
-                    real_latency, sim_rate = run.wall_s / len(prompts), predicted
+                    real_latency, sim_rate, sim_routed = run.wall_s / len(prompts), predicted, predicted_routed
                 else:  # both open loops offered in_flight x their own sequential service rate
                     gap = real_latency / args.in_flight
                     run = reps.run(prompts, params, router=router, router_kwargs=kwargs,
                                    arrival_times=[i * gap for i in range(len(prompts))])
-                    sim_rate = _simulate(requests, router, args, sim_latency / args.in_flight)[0]
+                    sim_rate, _, sim_routed = _simulate(requests, router, args, sim_latency / args.in_flight)
                 params_row = {**base, "router": router, "mode": mode, "offered_load": 1 if mode == "sequential"
                               else args.in_flight, "loadavg": load, "failed": run.num_failed, "routed": run.routed}
                 rows.append(make_row("parallel_dp", "real", "prefix_hit_rate", "ratio", run.prefix_hit_rate,
                                      params=params_row))
-                rows.append(make_row("parallel_dp", "sim", "prefix_hit_rate", "ratio", sim_rate, params=params_row))
-                print(f"{router:16s} {mode:10s} real {run.prefix_hit_rate:.4f} sim {sim_rate:.4f} routed {run.routed} "
-                      f"failed {run.num_failed} wall {run.wall_s:.1f}s load {load}", flush=True)
+                rows.append(make_row("parallel_dp", "sim", "prefix_hit_rate", "ratio", sim_rate,
+                                     params={**params_row, "routed": sim_routed}))
+                print(f"{router:16s} {mode:10s} real {run.prefix_hit_rate:.4f} sim {sim_rate:.4f} routed real "
+                      f"{run.routed} sim {sim_routed} failed {run.num_failed} wall {run.wall_s:.1f}s load {load}",
+                      flush=True)
     return rows
 
 
@@ -187,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the driver (tp1)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--num-blocks", type=int, default=2400)
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=1200)
+    parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--in-flight", type=int, default=8, help="offered load of the open mode (x service rate)")
     parser.add_argument("--no-write", action="store_true")
