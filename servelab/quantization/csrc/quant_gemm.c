@@ -4,8 +4,9 @@
  * servelab's packed formats (servelab/quantization/formats.py): int8 per output channel, w4a16
  * groups with zeros, or a GGUF block type (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K). Each thread
  * takes a range of output rows n; for each block of W's row n it dequantizes that block alone
- * (at most 256 floats, on the stack), then adds its dot product with each x row. So the weight
- * streams from memory once per call in its packed size, whatever the row count.
+ * (at most 256 floats: AVX-512 registers for int8, w4a16, Q8_0, Q4_0, Q4_1 (see "The vector
+ * path" below), the stack for the others), then adds its dot product with each x row. So the
+ * weight streams from memory once per call in its packed size, whatever the row count.
  *
  * Numerics: every output sums its blocks in increasing k, each block's products in 16 float32
  * lanes (then the lanes in order), so a row's result does not depend on the batch it is in or
@@ -312,8 +313,8 @@ static inline void row_pointers(const qg_args *g, int64_t n0, int64_t nn, const 
  * rows n0 .. n0 + nn - 1, every block decoded into registers. */
 static inline __attribute__((always_inline)) void tile_regs(const qg_args *g, const float *xr, int64_t xs,
                                                             int64_t tile, int64_t n0, int64_t nn, float *out,
-                                                            const int XT) {
-    const int64_t fmt = g->fmt, nblocks = g->K / 32;
+                                                            const int XT, const int64_t fmt) {
+    const int64_t nblocks = g->K / 32;
     const uint8_t *wr[QG_NB], *zr[QG_NB];
     const float *sr[QG_NB], *xp[QG_XT];
     float d[QG_NB][QG_SEG], m[QG_NB][QG_SEG];
@@ -348,11 +349,24 @@ static inline __attribute__((always_inline)) void tile_regs(const qg_args *g, co
     finish(fmt, a, tile, n0, nn, g->scales, g->bias, out, g->N);
 }
 
+/* tile_regs with the tile height and the format compile-time constants: no format branch per block */
+static inline __attribute__((always_inline)) void tile_regs_fmt(const qg_args *g, const float *xr, int64_t xs,
+                                                                int64_t tile, int64_t n0, int64_t nn, float *out,
+                                                                const int64_t fmt) {
+    if (tile == 1) tile_regs(g, xr, xs, tile, n0, nn, out, 1, fmt);
+    else if (tile == 2) tile_regs(g, xr, xs, tile, n0, nn, out, 2, fmt);
+    else tile_regs(g, xr, xs, tile, n0, nn, out, 4, fmt);
+}
+
 static void tile_regs_any(const qg_args *g, const float *xr, int64_t xs, int64_t tile, int64_t n0, int64_t nn,
                           float *out) {
-    if (tile == 1) tile_regs(g, xr, xs, tile, n0, nn, out, 1);
-    else if (tile == 2) tile_regs(g, xr, xs, tile, n0, nn, out, 2);
-    else tile_regs(g, xr, xs, tile, n0, nn, out, 4);
+    switch (g->fmt) {
+    case FMT_Q4_1: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_1); break;
+    case FMT_Q4_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_0); break;
+    case FMT_Q8_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q8_0); break;
+    case FMT_INT8: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_INT8); break;
+    default: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_W4A16); break;
+    }
 }
 
 /* One segment of decoded weights buf [QG_NB][QG_SEG * 32] (blocks b0 .. b0 + nb - 1) into the
