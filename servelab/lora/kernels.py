@@ -7,12 +7,20 @@ and ``bgmv_shrink`` / ``bgmv_expand`` (decode: one adapter index per row),
 with slice offsets for fused projections and ``-1`` for rows without an
 adapter. Registered names:
 
-- ``"torch"``: the CPU fast path, grouped dense GEMMs (:mod:`servelab.lora.ops`);
+- ``"cpu"``: the CPU fast path, per-row LoRA in C for float32 (rows grouped by slot, one
+  call per wrapped layer: :mod:`servelab.lora.cpu_kernels`), the ``"torch"`` path for
+  other dtypes or when the C library cannot be built;
+- ``"torch"``: grouped dense GEMMs in torch (:mod:`servelab.lora.ops`), any dtype;
 - ``"triton"``: Triton kernels (:mod:`servelab.kernels.lora`; on a CPU only
   under ``TRITON_INTERPRET=1``);
 - ``"reference"``: the per-row float64 spec (:mod:`servelab.reference.lora`).
 
-``"auto"`` (the default) is ``"triton"`` on CUDA and ``"torch"`` elsewhere.
+``"auto"`` (the default) is ``"triton"`` on CUDA and ``"cpu"`` elsewhere.
+
+A kernel may also have ``add_layer_deltas(x, out, lora_a, lora_b, slice_table, slot_ranks,
+max_rank, indices) -> bool`` (see :func:`servelab.lora.cpu_kernels.add_layer_deltas`): a
+whole wrapped layer's deltas in one call; :class:`~servelab.lora.layers.LoRALinear` tries it
+first and runs the four functions when it returns False.
 Swap it like any piece: ``register_lora_kernel("mine", my_ops)`` then
 ``Pipeline(..., enable_lora=True)`` and ``pipe.lora_manager.kernel = "mine"``.
 """
@@ -58,6 +66,7 @@ def _check(obj: Any) -> None:
 
 
 _REGISTRY: Registry[Any] = Registry("LoRA kernel", check=_check)
+_REGISTRY.register("cpu", "servelab.lora.cpu_kernels:CPU_C_KERNEL")
 _REGISTRY.register("torch", "servelab.lora.ops:CPU_KERNEL")
 _REGISTRY.register("triton", "servelab.kernels.lora:TRITON_KERNEL")
 _REGISTRY.register("reference", "servelab.reference.lora:REFERENCE_KERNEL")
@@ -73,10 +82,10 @@ def available_lora_kernels() -> list[str]:
 
 
 def get_lora_kernel(name_or_obj: Any, device: torch.device | str = "cpu") -> Any:
-    """A registered kernel by name (``"auto"``: ``"triton"`` on CUDA, else ``"torch"``), or a
+    """A registered kernel by name (``"auto"``: ``"triton"`` on CUDA, else ``"cpu"``), or a
     kernel object checked and returned as it is."""
     if name_or_obj == "auto":
-        name_or_obj = "triton" if torch.device(device).type == "cuda" else "torch"
+        name_or_obj = "triton" if torch.device(device).type == "cuda" else "cpu"
     if isinstance(name_or_obj, str):
         kernel = _REGISTRY.lookup(name_or_obj)
         _check(kernel)

@@ -14,7 +14,11 @@ it activates an adapter (:mod:`servelab.lora.manager`):
   ``B * scaling``, zero where the adapter leaves the module alone.
 
 One shrink gives every slice's ``A x`` at once (``[T, num_slices * max_rank]``);
-one expand per slice adds its ``B`` block at the slice's output offset.
+one expand per slice adds its ``B`` block at the slice's output offset. A kernel
+that has ``add_layer_deltas`` (the ``"cpu"`` kernel, :mod:`servelab.lora.cpu_kernels`)
+does all of it in one call instead, reading ``slice_table`` (each slice's output
+columns) and ``slot_ranks`` (each slot's rank per slice, 0 where its adapter
+leaves the slice alone: those products and the rank padding are skipped).
 
 Which slot each row uses comes from the :class:`LoRAStepState` shared by all
 wrapped layers of a model: the runner sets its mapping before the forward and
@@ -62,6 +66,8 @@ class LoRALinear(nn.Module):
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    slot_ranks: torch.Tensor
+    slice_table: torch.Tensor
 
     def __init__(self, base: nn.Module, name: str, *, max_loras: int, max_rank: int, state: LoRAStepState,
                  dtype: torch.dtype) -> None:
@@ -87,6 +93,12 @@ class LoRALinear(nn.Module):
         # which slices each slot's adapter adapts (a q/v-only adapter leaves o_proj and the MLP
         # alone: a step whose adapters all leave this layer alone skips it)
         self.slot_slices: list[tuple[bool, ...]] = [(False,) * len(self.slices)] * max_loras
+        # the same, with each adapter's rank, and the slices' output columns, for a fused kernel
+        self.register_buffer("slot_ranks", torch.zeros((max_loras, len(self.slices)), dtype=torch.int64,
+                                                       device=device), persistent=False)
+        self.register_buffer("slice_table", torch.tensor([[p.start for p in self.slices],
+                                                          [p.size for p in self.slices]], dtype=torch.int64,
+                                                         device=device), persistent=False)
 
     def dense_weight(self) -> torch.Tensor:
         """The base layer's float ``[out, in]`` weight (adapters are per row, not in it)."""
@@ -113,11 +125,14 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].copy_(a_rows)
         self.lora_b[slot].copy_(b_rows)
         self.slot_slices[slot] = tuple(name in weights for name in self.hf_names)
+        ranks = [weights[name][0].shape[0] if name in weights else 0 for name in self.hf_names]
+        self.slot_ranks[slot].copy_(torch.tensor(ranks, dtype=torch.int64))
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.slot_slices[slot] = (False,) * len(self.slices)
+        self.slot_ranks[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in_features]`` -> ``[T, out_features]``: the base output plus each row's delta."""
@@ -128,11 +143,15 @@ class LoRALinear(nn.Module):
         if x.shape[0] != mapping.num_tokens:
             raise RuntimeError(f"LoRA layer {self.qualified_name}: {x.shape[0]} rows but the step's LoRA mapping "
                                f"has {mapping.num_tokens}; set the mapping for each forward")
+        kernel = self.state.kernel
+        fused = getattr(kernel, "add_layer_deltas", None)
+        if fused is not None and fused(x, out, self.lora_a, self.lora_b, self.slice_table, self.slot_ranks,
+                                       self.max_rank, mapping.indices):
+            return out
         # slices some adapter of this step adapts (all zero B otherwise: nothing to add)
         used = [any(self.slot_slices[s][j] for s in mapping.slots) for j in range(len(self.slices))]
         if not any(used):
             return out
-        kernel = self.state.kernel
         r_max = self.max_rank
         if mapping.decode:
             h = kernel.bgmv_shrink(x, self.lora_a, mapping.indices, 1.0)

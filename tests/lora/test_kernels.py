@@ -108,8 +108,8 @@ def check_fused_slices(kernel):
 
 
 def test_registry_names_and_swapping():
-    assert {"torch", "triton", "reference"} <= set(available_lora_kernels())
-    assert get_lora_kernel("auto").name == "torch"  # a CPU
+    assert {"cpu", "torch", "triton", "reference"} <= set(available_lora_kernels())
+    assert get_lora_kernel("auto").name == "cpu"  # a CPU: the C kernel (the torch path where it does not apply)
     with pytest.raises(ValueError, match="unknown LoRA kernel 'nope'"):
         get_lora_kernel("nope")
     with pytest.raises(TypeError, match="lacks sgmv_shrink"):
