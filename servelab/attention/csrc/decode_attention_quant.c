@@ -158,7 +158,9 @@ static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin,
     }
 }
 
-static inline __attribute__((always_inline)) void attend_head_rows(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
+/* One KV head over positions [begin, len), one row at a time (any head size). */
+static inline __attribute__((always_inline)) void attend_head_rows(
+                        const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
                         const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
                         const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
                         int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format, float scale,
