@@ -113,9 +113,7 @@ def _write_int8_in_c(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Te
     stride, int64 slots, both scales static or both in the pages. True when it wrote."""
     n = slots.shape[0]
     static = kv_quant.is_static_scale(k_scale)
-    fmt = kv_quant.format_of_dtype(torch.int8)  # the C write hard-codes the built-in int8 format (+-127, half-even)
-    if not (isinstance(fmt, kv_quant.ScaledFormat) and fmt.max_value == 127.0 and key_cache.dtype is torch.int8
-            and value_cache.dtype is torch.int8 and key.dtype is torch.float32
+    if not (key_cache.dtype is torch.int8 and value_cache.dtype is torch.int8 and key.dtype is torch.float32
             and value.dtype is torch.float32 and key.is_cpu and key_cache.is_cpu and slots.dtype is torch.int64
             and slots.is_contiguous() and static == kv_quant.is_static_scale(v_scale) and n <= key.shape[0]
             and n <= value.shape[0] and key_cache.stride(3) == 1 and value_cache.stride(3) == 1):
