@@ -51,27 +51,6 @@ static inline float half_to_float(const uint8_t *p) {
     return f;
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float lanes[16] = {0};
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
-    float s = 0.0f;
-    for (; j < n; j++) s += a[j] * b[j];
-    for (int l = 0; l < 16; l++) s += lanes[l];
-    return s;
-}
-
-/* a full block: a compile-time length the compiler unrolls into vector FMAs */
-static inline float dot_fixed(const float *restrict a, const float *restrict b, int64_t n) {
-    float lanes[16] = {0};
-    for (int64_t j = 0; j < n; j += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[j + l] * b[j + l];
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += lanes[l];
-    return s;
-}
-
 static inline void nibbles32(const uint8_t *qs, float *buf, float d, float m) {
     for (int j = 0; j < 16; j++) {
         buf[j] = (float)(qs[j] & 0xF) * d + m;
