@@ -24,6 +24,15 @@ strides (``0`` for a static scale). A write computes and stores each row's scale
 when the scale view has real strides, and quantizes with the given static scale
 when its block and token strides are 0 (:func:`is_static_scale`).
 
+**Key smoothing** (:func:`key_smoothing_factors`, folded into a model by
+:func:`servelab.pipeline.kv_calibration.calibrate_key_smoothing`): a few RoPE channel pairs of a
+model's keys can be 10x larger than the rest (Gemma 3), so a per-token scale, set by them, is
+coarse for every other channel. Dividing K by a calibrated per-channel factor ``m`` before it is
+written and multiplying the query by ``m`` keeps every ``q . k`` exact and flattens the rows the
+per-token scale sees. ``m`` is equal on the two channels of a RoPE pair (``c`` and ``c + D/2``),
+so it commutes with the rotation and is folded into the query / key weights once: the pages,
+scales and kernels are unchanged.
+
 Adding a scheme is registering a :class:`KVCacheFormat` (its storage dtype, the
 largest magnitude it stores, and its rounding); the torch paths (references,
 ``"sdpa"``) read it at once, and a fast kernel declares it in its backend's
@@ -43,7 +52,7 @@ from servelab._internal.registry import Registry
 __all__ = [
     "KVCacheFormat", "ScaledFormat", "available_kv_cache_dtypes", "dequantize", "get_kv_cache_dtype",
     "is_quantized_dtype", "is_static_scale", "quantize_rows", "register_kv_cache_dtype", "row_scales",
-    "SCALE_DTYPE", "SCALE_GRANULARITIES", "DEFAULT_SCALE",
+    "SCALE_DTYPE", "SCALE_GRANULARITIES", "DEFAULT_SCALE", "key_smoothing_factors",
 ]
 
 #: Scales are float32 everywhere (pages, static tensors, kernels).
@@ -224,3 +233,29 @@ def kv_cache_storage(kv_cache_dtype: str, kv_cache_scale: str | None, model_dtyp
         raise ValueError(f"kv_cache_scale={kv_cache_scale!r} is invalid; valid: None, "
                          f"{', '.join(map(repr, SCALE_GRANULARITIES))}")
     return fmt.storage_dtype, granularity
+
+
+def key_smoothing_factors(amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-channel key smoothing factors from calibrated ``|K|`` maxima.
+
+    ``amax`` float ``[..., D]`` (``D`` even; the largest ``|K|`` of each channel) -> float32
+    ``[..., D]``: ``m = (a / max(a)) ** alpha`` where ``a`` is ``amax`` tied over RoPE pairs
+    (channel ``c`` and ``c + D/2`` both take the larger: RoPE mixes them, so only a factor equal on
+    both commutes with it) and floored at ``1e-3 * max(a)`` (a dead channel must not be divided by
+    0). ``alpha`` in ``[0, 1]``: 0 is no smoothing (all ones), 1 flattens every channel's maximum
+    to the same value. The reference is :func:`servelab.reference.kv_quant.key_smoothing_factors`."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha!r} is invalid; valid: a number in [0, 1]")
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        raise TypeError(f"amax must be a floating torch.Tensor, got {type(amax).__name__}")
+    if amax.dim() == 0 or amax.shape[-1] % 2:
+        raise ValueError(f"amax shape {tuple(amax.shape)} is invalid; valid: [..., D] with D even (RoPE pairs)")
+    if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+        raise ValueError("amax holds a value that is negative or not finite; valid: maxima of |K|")
+    a = amax.to(torch.float64).abs()
+    half = a.shape[-1] // 2
+    tied = torch.maximum(a[..., :half], a[..., half:])
+    a = torch.cat((tied, tied), dim=-1)
+    top = a.amax(dim=-1, keepdim=True)
+    a = torch.where(top > 0, a / torch.where(top > 0, top, torch.ones_like(top)), torch.ones_like(a))
+    return a.clamp_min(1e-3).pow(float(alpha)).to(SCALE_DTYPE)
