@@ -3,7 +3,9 @@
 For each setting the model runs teacher-forced over a real English text
 (``bench/data/kv_quant_text.txt``, the PSF-licensed Python Language Reference chapter, see its
 ATTRIBUTION file) in sequences of ``--seq-len`` tokens, each one forward over the paged cache, so
-every position attends to quantized K/V (its own step's too: the write comes first). Recorded per
+every position attends to quantized K/V (its own step's too: the write comes first). Every sequence
+starts as the tokenizer starts a text (:func:`text_sequences`: Gemma's ``<bos>``, nothing for
+SmolLM2). Recorded per
 setting (rows ``component=kv_quant_accuracy``):
 
 - ``ppl`` and ``ppl_ratio`` (perplexity over ``"auto"``'s);
@@ -14,9 +16,13 @@ setting (rows ``component=kv_quant_accuracy``):
   at the first differing token (``near_tie_margins``: a near-tie when < 0.05).
 
 Static scales (``"tensor"``, ``"head"``) are measured twice: at 1.0 (vLLM's default) and
-calibrated on the 16 demo prompts (not the evaluation text), ``calibrate_kv_scales``.
+calibrated on the 16 demo prompts (not the evaluation text), ``calibrate_kv_scales``. With
+``--key-smoothing ALPHA`` the ``"token_head"`` settings are measured again on a copy of the model
+whose keys are smoothed (``smooth_model_keys``, calibrated on the same demo prompts; rows with
+``key_smoothing=ALPHA``).
 
-Usage: ``python bench/kv_quant_accuracy.py [--model smollm2] [--greedy]``.
+Usage: ``python bench/kv_quant_accuracy.py [--model smollm2] [--greedy] [--key-smoothing 0.5]
+[--kv-dtypes int8,fp8_e4m3] [--scales token_head]``.
 """
 
 from __future__ import annotations
@@ -36,10 +42,11 @@ from text_accuracy import text_metrics  # noqa: E402
 
 from servelab.blocks.kv_quant import get_kv_cache_dtype, kv_cache_storage  # noqa: E402
 from servelab.models import allocate_kv_caches, load_model, load_tokenizer, prepare_inputs  # noqa: E402
-from servelab.pipeline.kv_calibration import measure_kv_amax  # noqa: E402
+from servelab.pipeline.kv_calibration import calibrate_key_smoothing, measure_kv_amax, smooth_model_keys  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "kv_quant_text.txt"
-SETTINGS = [(d, s, c) for d in ("int8", "fp8_e4m3", "fp8_e5m2") for s, c in
+DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+SETTINGS = [(d, s, c) for d in DTYPES for s, c in
             (("token_head", False), ("head", False), ("head", True), ("tensor", False), ("tensor", True))]
 
 
@@ -67,6 +74,27 @@ def sequence_logits(model, tokens: list[int], kv_cache_dtype: str, kv_scale: str
     return model.compute_logits(model(ids, pos, caches, meta)).float()
 
 
+def text_sequences(tokenizer, text: str, seq_len: int, max_tokens: int | None) -> list[list[int]]:
+    """``text``'s tokens in sequences of ``seq_len``, each beginning with what the tokenizer puts before
+    any text (``tokenizer.encode("")``: Gemma's ``<bos>``, nothing for SmolLM2), then the next chunk.
+
+    Why: a chunk cut from the middle of the token stream has no ``<bos>``, and Gemma 3 without it is
+    out of distribution (its first position turns into an attention sink of its own: "auto" perplexity
+    86 instead of 21 on the second 256 tokens here), which inflated the quantized settings' KL up to
+    15x. ``max_tokens`` caps the text's tokens (the prefix included once)."""
+    prefix = list(tokenizer.encode(""))
+    body = list(tokenizer.encode(text))
+    if prefix and body[: len(prefix)] == prefix:
+        body = body[len(prefix):]
+    if max_tokens is not None:
+        body = body[: max(max_tokens - len(prefix), 0)]
+    step = seq_len - len(prefix)
+    if step <= 16:
+        raise ValueError(f"--seq-len {seq_len} leaves {step} text tokens per sequence after the tokenizer's "
+                         f"{len(prefix)} prefix tokens; valid: more than {16 + len(prefix)}")
+    return [prefix + body[i:i + step] for i in range(0, len(body) - 1, step) if len(body[i:i + step]) > 16]
+
+
 def demo_token_prompts(tokenizer) -> list[list[int]]:
     from servelab.cli.demo import demo_prompts
 
@@ -75,13 +103,16 @@ def demo_token_prompts(tokenizer) -> list[list[int]]:
 
 
 def greedy_agreement(path: Path, kv_cache_dtype: str, kv_scale: str | None, static: torch.Tensor | None,
-                     reference: list[list[int]] | None, prompts) -> tuple[list[list[int]], int]:
+                     reference: list[list[int]] | None, prompts, smoothing: float | None = None
+                     ) -> tuple[list[list[int]], int]:
     from servelab import Pipeline, SamplingParams
 
     settings = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype, "kv_cache_scale": kv_scale}
     pipe = Pipeline.from_pretrained(path, max_num_seqs=16, **settings)
     if static is not None and pipe.kv_caches.static_scales is not None:
         pipe.kv_caches.static_scales.copy_(static)
+    if smoothing is not None:
+        calibrate_key_smoothing(pipe, prompts, alpha=smoothing)
     outs = [o.token_ids for o in pipe.generate(prompts, SamplingParams(temperature=0, max_tokens=32))]
     equal = len(outs) if reference is None else sum(a == b for a, b in zip(outs, reference))
     return outs, equal
@@ -109,12 +140,15 @@ def main() -> int:
     parser.add_argument("--greedy", action="store_true", help="also greedy agreement on the 16 demo prompts")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="evaluate on the text's first tokens only (a large vocabulary's logits are big)")
+    parser.add_argument("--key-smoothing", type=float, default=None, metavar="ALPHA",
+                        help="also the token_head settings with keys smoothed (alpha in [0, 1]; default: not run)")
+    parser.add_argument("--kv-dtypes", default=",".join(DTYPES), help="formats to measure (default: all three)")
+    parser.add_argument("--scales", default="token_head,head,tensor", help="granularities to measure (default: all)")
     args = parser.parse_args()
     path = model_path(args.model)
     model, _ = load_model(path)
     tokenizer = load_tokenizer(path)
-    ids = tokenizer.encode(TEXT.read_text())[: args.max_tokens]
-    seqs = [ids[i:i + args.seq_len] for i in range(0, len(ids) - 1, args.seq_len) if len(ids[i:i + args.seq_len]) > 16]
+    seqs = text_sequences(tokenizer, TEXT.read_text(), args.seq_len, args.max_tokens)
     prompts = demo_token_prompts(tokenizer)
     amax = measure_kv_amax(model, prompts)
     ref = [sequence_logits(model, s, "auto", None, None) for s in seqs]
@@ -126,25 +160,35 @@ def main() -> int:
     greedy_ref = None
     if args.greedy:
         greedy_ref, _ = greedy_agreement(path, "auto", None, None, None, prompts)
-    for dtype, scale, calibrated in SETTINGS:
+    dtypes, scales = args.kv_dtypes.split(","), args.scales.split(",")
+    settings = [(d, s, c, None) for d, s, c in SETTINGS if d in dtypes and s in scales]
+    smoothed = None
+    if args.key_smoothing is not None:
+        smoothed, _ = load_model(path)
+        smooth_model_keys(smoothed, prompts, alpha=args.key_smoothing)
+        settings += [(d, "token_head", False, args.key_smoothing) for d in DTYPES if d in dtypes]
+    for dtype, scale, calibrated, smoothing in settings:
         static = None
         if scale != "token_head":
             a = amax.amax(dim=2, keepdim=True).expand_as(amax) if scale == "tensor" else amax
             fmt = get_kv_cache_dtype(dtype)
             static = torch.where(a > 0, a / fmt.max_value, torch.ones_like(a)) if calibrated else torch.ones_like(a)
         start = time.perf_counter()
-        got = [sequence_logits(model, s, dtype, scale, static) for s in seqs]
+        got = [sequence_logits(model if smoothing is None else smoothed, s, dtype, scale, static) for s in seqs]
         m = text_metrics(ref, got, seqs)
         params = dict(common, kv_cache_dtype=dtype, kv_cache_scale=scale,
                       scales="token" if scale == "token_head" else ("calibrated" if calibrated else "1.0"))
+        if smoothing is not None:
+            params["key_smoothing"] = smoothing
         for metric, unit, value in (("ppl", "ppl", m["ppl"]), ("ppl_ratio", "ratio", m["ppl"] / base["ppl"]),
                                     ("kl_mean", "nats", m["kl_mean"]), ("top1_agreement", "fraction",
                                                                         m["top1_agreement"])):
             rows.append(make_row("kv_quant_accuracy", dtype, metric, unit, value, params=params))
-        line = (f"{dtype:9s} {scale:10s} {params['scales']:10s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} "
-                f"kl={m['kl_mean']:.2e} top1={m['top1_agreement']:.4f}")
+        line = (f"{dtype:9s} {scale:10s} {params['scales']:10s} "
+                f"{'' if smoothing is None else f'smooth={smoothing} '}ppl={m['ppl']:.4f} "
+                f"ratio={m['ppl'] / base['ppl']:.5f} kl={m['kl_mean']:.2e} top1={m['top1_agreement']:.4f}")
         if args.greedy and (scale == "token_head" or (calibrated and scale == "head" and dtype == "int8")):
-            outs, equal = greedy_agreement(path, dtype, scale, static, greedy_ref, prompts)
+            outs, equal = greedy_agreement(path, dtype, scale, static, greedy_ref, prompts, smoothing)
             margins = near_tie_margins(model, prompts, greedy_ref, outs)
             rows.append(make_row("kv_quant_accuracy", dtype, "greedy_equal", "prompts", equal,
                                  params=dict(params, prompts=16, max_tokens=32, near_tie_margins=margins,
