@@ -11,7 +11,9 @@ it activates an adapter (:mod:`servelab.lora.manager`):
   A in rows ``j * max_rank ..``, zero-padded past the adapter's rank;
 - ``lora_b``: ``[max_loras, out_features, max_rank]``; output rows of slice
   ``j`` (e.g. ``k_proj``'s rows of a fused ``qkv_proj``) hold that module's
-  ``B * scaling``, zero where the adapter leaves the module alone.
+  ``B * scaling``, zero where the adapter leaves the module alone. On a CPU its
+  storage is ``[max_loras, max_rank, out_features]`` (a transposed view, output
+  columns contiguous: what the C kernel's expand reads); kernels use its strides.
 
 One shrink gives every slice's ``A x`` at once (``[T, num_slices * max_rank]``);
 one expand per slice adds its ``B`` block at the slice's output offset. A kernel
@@ -38,6 +40,16 @@ from servelab.lora.kernels import LoRAMapping
 from servelab.models.layer_api import OutputSlice, dense_weight, output_slices
 
 __all__ = ["LoRALinear", "LoRAStepState"]
+
+
+def _b_buffer(slots: int, out_features: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros ``[slots, out_features, rank]``; on a CPU stored ``[slots, rank, out_features]`` (a
+    transposed view: every kernel addresses B by its strides, and ``.to()`` keeps them). Why: the C
+    kernel's expand multiplies 16 contiguous output columns at a time; B in the plain layout must
+    be transposed on every call first (~2/3 of a decode step's expand on SmolLM2)."""
+    if device.type != "cpu":
+        return torch.zeros((slots, out_features, rank), dtype=dtype, device=device)
+    return torch.zeros((slots, rank, out_features), dtype=dtype, device=device).transpose(1, 2)
 
 
 class LoRAStepState:
@@ -88,8 +100,8 @@ class LoRALinear(nn.Module):
         width = len(self.slices) * max_rank
         self.register_buffer("lora_a", torch.zeros((max_loras, width, self.in_features), dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros((max_loras, self.out_features, max_rank), dtype=dtype,
-                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", _b_buffer(max_loras, self.out_features, max_rank, dtype, device),
+                             persistent=False)
         # which slices each slot's adapter adapts (a q/v-only adapter leaves o_proj and the MLP
         # alone: a step whose adapters all leave this layer alone skips it)
         self.slot_slices: list[tuple[bool, ...]] = [(False,) * len(self.slices)] * max_loras

@@ -166,6 +166,7 @@ def _wrapped(kernel, max_loras=4, max_rank=8):
                                          torch.randn(size, rank, generator=gen))
                               for j, size in ((j, (16, 8, 6)[j]) for j in parts)})
     assert layer.slot_ranks.tolist() == [[8, 8, 8], [3, 0, 3], [0, 5, 0], [0, 0, 0]]
+    assert layer.lora_b.shape == (max_loras, 30, max_rank) and layer.lora_b.stride(1) == 1  # stored [slot, r, n]
     return layer, state
 
 

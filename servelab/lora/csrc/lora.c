@@ -43,7 +43,9 @@
 #define EXPAND_VECS 4 /* (the AVX-512 tile below is written out for exactly 4 x 4) */
 #define EXPAND_COLS (EXPAND_VECS * LANES)
 #define RANK_CHUNK 64 /* B rows transposed onto the stack at once */
-#define MIN_PARALLEL_MACS (1 << 17) /* below this a second thread costs more than it saves */
+#ifndef MIN_PARALLEL_MACS
+#define MIN_PARALLEL_MACS (1 << 22) /* ~0.1 ms of work: below, a second thread (a fork and a barrier) costs more than it saves */
+#endif
 
 int servelab_lora_abi(void) { return 1; }
 const char *servelab_lora_build_key(void) { return SERVELAB_LORA_BUILD_KEY; }
