@@ -166,3 +166,18 @@ def test_calibrate_on_a_pipeline(tmp_path):
         calibrate_key_smoothing(pipe, ["hello"])
     amax = measure_key_channel_amax(pipe.model, [pipe.tokenizer.encode("The cache line was evicted")])
     assert amax.shape == factors.shape
+
+
+def test_smoothed_pages_are_read_alike_by_every_backend(tmp_path):
+    """The C decode kernel and the prompt path ("sdpa") and the float64-capable references ("torch")
+    read smoothed pages as any others: the same greedy tokens."""
+    from servelab import SamplingParams
+
+    path = build_tiny_model(tmp_path / "g3", arch="gemma3_text")
+    prompts = ["The cache line was evicted", "A block table maps tokens to", "hello world, said the"]
+    outs = []
+    for backend in ("sdpa", "torch"):
+        pipe = Pipeline.from_pretrained(path, kv_cache_dtype="int8", attention_backend=backend)
+        calibrate_key_smoothing(pipe, prompts)
+        outs.append([o.token_ids for o in pipe.generate(prompts, SamplingParams(temperature=0, max_tokens=8))])
+    assert outs[0] == outs[1]
