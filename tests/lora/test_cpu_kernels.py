@@ -170,10 +170,12 @@ def _wrapped(kernel, max_loras=4, max_rank=8):
     return layer, state
 
 
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
 @pytest.mark.parametrize("decode", [True, False])
-def test_lora_linear_fused_call_matches_the_reference_kernel(decode):
-    """LoRALinear with the "cpu" kernel (one C call) against the same layer with the reference."""
-    fused, state = _wrapped("cpu")
+def test_lora_linear_fused_call_matches_the_reference_kernel(decode, kernel):
+    """LoRALinear with the "cpu" kernel (one C call; and "torch", over the same [slot, r, n] storage
+    of B) against the same layer with the reference."""
+    fused, state = _wrapped(kernel)
     plain, plain_state = _wrapped("reference")
     plain.load_state_dict(fused.state_dict())
     slots = [0, 1, -1, 2, 1, 0, 3]
