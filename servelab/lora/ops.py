@@ -1,6 +1,8 @@
-"""The CPU fast path of the LoRA kernels: the same four functions as
-:mod:`servelab.kernels.lora` (Triton) and :mod:`servelab.reference.lora` (the spec;
-layout and semantics are documented there), as a few dense GEMMs per adapter.
+"""The ``"torch"`` LoRA kernel: the same four functions as :mod:`servelab.kernels.lora`
+(Triton) and :mod:`servelab.reference.lora` (the spec; layout and semantics are documented
+there), as a few dense GEMMs per adapter, any dtype. The CPU default is the C kernel
+(``"cpu"``, :mod:`servelab.lora.cpu_kernels`), which falls back to these functions where
+it does not apply (not float32, not on the CPU, no compiler).
 
 Why grouped GEMMs: a step's rows use at most ``max_loras`` distinct slots, so
 gathering each slot's rows and running ``x_g @ A.T`` then ``y_g @ B.T`` costs
