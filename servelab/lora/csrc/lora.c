@@ -44,7 +44,7 @@
 #define EXPAND_COLS (EXPAND_VECS * LANES)
 #define RANK_CHUNK 64 /* B rows transposed onto the stack at once */
 #ifndef MIN_PARALLEL_MACS
-#define MIN_PARALLEL_MACS (1 << 22) /* ~0.1 ms of work: below, a second thread (a fork and a barrier) costs more than it saves */
+#define MIN_PARALLEL_MACS (1 << 20) /* ~25 us of work: below, a second thread (a fork, a barrier) costs more than it saves */
 #endif
 
 int servelab_lora_abi(void) { return 1; }
