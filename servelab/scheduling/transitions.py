@@ -69,6 +69,7 @@ class RequestTransitions:
     _pending_outputs: list[RequestOutput]
     _cache_blocks: Callable[[Request, int], None] | None
     _publish_kv_events: Callable[[float], object] | None
+    emit_running_outputs: bool
     num_preemptions: int
     num_finished: int
     num_failed: int
@@ -195,6 +196,7 @@ class RequestTransitions:
         append = outputs.append
         any_finished = False
         any_drafts = bool(spec_scheduled)
+        emit = self.emit_running_outputs
         for idx, rid in enumerate(req_ids):
             req = requests.get(rid)
             if req is None or req.status is not RUNNING:
@@ -232,6 +234,8 @@ class RequestTransitions:
                     else:
                         if drafts_next is not None:
                             _take_drafts(req, drafts_next[idx], num_spec, max_len)
+                        if not emit:
+                            continue  # the caller reads ends only (Scheduler.emit_running_outputs)
                         if logprobs is None:  # a bare output: two fields set, the rest are class defaults
                             out = _new_output(RequestOutput)
                             out.request_id = rid

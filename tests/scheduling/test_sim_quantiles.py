@@ -43,3 +43,31 @@ def test_the_simulator_itl_summary_equals_the_summary_of_the_gaps():
     assert (got.p50, got.p90, got.p99, got.count, got.failed) == (want.p50, want.p90, want.p99, want.count,
                                                                    want.failed)
     assert got.count > 1000 and abs(got.mean - want.mean) <= 1e-12 * abs(want.mean)
+
+
+def test_the_simulator_reads_ends_only_and_runs_the_same_without_running_outputs(monkeypatch):
+    """The loop turns the scheduler's per-step outputs of running requests off
+    (``Scheduler.emit_running_outputs``): same results as with them on."""
+    from servelab.scheduling.simulator import WorkloadSpec, loop, simulate
+
+    spec = WorkloadSpec(num_requests=80, rate=40.0, seed=5)
+    seen: list[bool] = []
+    original = loop.Replica.__init__
+
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        seen.append(self.sched.emit_running_outputs)
+
+    monkeypatch.setattr(loop.Replica, "__init__", record)
+    quiet = simulate(spec, "fcfs")
+
+    def emit(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.sched.emit_running_outputs = True
+
+    monkeypatch.setattr(loop.Replica, "__init__", emit)
+    loud = simulate(spec, "fcfs")
+    assert seen == [False]
+    a, b = quiet.summary(), loud.summary()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and a["requests"] == 80

@@ -156,6 +156,8 @@ class Replica:
     def __init__(self, index: int, role: str, sched: Scheduler, kv: Any, time_of: Callable[[Any], float],
                  build: RequestFactory, *, kv_index: Any = None, backlog: bool = False) -> None:
         self.index, self.role, self.sched, self.kv, self.time_of = index, role, sched, kv, time_of
+        if getattr(sched, "emit_running_outputs", None) is True:  # the loop reads ends only (_apply)
+            sched.emit_running_outputs = False
         self.build, self.kv_index = build, kv_index
         self.outstanding = 0
         self.tokens_of: dict[str, int] = {}

@@ -45,6 +45,9 @@ class PrefixedTokens(Sequence[int]):
     """
 
     __slots__ = ("prefix", "tokens", "start", "end")
+    #: ``Request`` skips its per-token check for this type: the prefix and the token array are
+    #: drawn here from ``[0, vocab_size)`` (checking ~512 ids again per request was ~3% of a run).
+    holds_checked_token_ids = True
 
     def __init__(self, prefix: list[int], tokens: np.ndarray, start: int, end: int) -> None:
         self.prefix, self.tokens, self.start, self.end = prefix, tokens, start, end
