@@ -20,7 +20,8 @@ actually generated (guidellm reads them from the usage chunk).
 
 Load points (``--rates``): Poisson arrivals at each rate (requests/s), and ``c<N>``: N concurrent
 streams, each sending its next request as the previous finishes (``c32``: saturation on this CPU).
-Each point runs ``--num-requests`` requests (``max_requests`` constraint).
+Each point runs ``--num-requests`` requests (``max_requests`` constraint; at least 2N at ``c<N>``),
+after two warm-up requests to the fresh server.
 
     python bench/serve_guidellm.py --rates 0.25,0.5,1,c32 --num-requests 24
 """
@@ -54,6 +55,24 @@ def _profile(point: str) -> str:
     return f"kind=poisson,rate={rate}"
 
 
+def requests_at(point: str, num_requests: int) -> int:
+    """Requests sent at a load point: ``num_requests``, and at least 2N for N concurrent streams (so
+    the streams stay full for most of the run rather than draining from the start)."""
+    return max(num_requests, 2 * int(point[1:])) if point.startswith("c") else num_requests
+
+
+def warm_up(url: str, model: str) -> None:
+    """Two short requests before the first load point (the first calls of a fresh server build
+    kernels and caches: not what a load point should measure)."""
+    import asyncio
+
+    from servelab.serve.loadgen import run_rate
+
+    warm = [{"model": model, "prompt": "Warm up: say something about caches.", "max_tokens": 8, "stream": True}
+            for _ in range(2)]
+    asyncio.run(run_rate(f"{url}/v1/completions", warm, float("inf")))
+
+
 def run_guidellm(exe: Path, url: str, model: str, tokenizer: Path, point: str, args) -> dict:
     """One guidellm run against ``url``; its JSON report's first benchmark."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +82,7 @@ def run_guidellm(exe: Path, url: str, model: str, tokenizer: Path, point: str, a
                "--tokenizer", f"kind=hf_auto,model={tokenizer}",
                "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}",
                "--profile", _profile(point),
-               "--constraint", f"kind=max_requests,count={args.num_requests}",
+               "--constraint", f"kind=max_requests,count={requests_at(point, args.num_requests)}",
                "--seed", f"kind=static,value={args.seed}",
                "--output", f"kind=json,path={report}", "--disable-console-interactive"]
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=3600)
@@ -79,7 +98,7 @@ def rows_of(engine: str, point: str, bench: dict, params: dict) -> list[dict]:
     if not ok:
         raise RuntimeError(f"{engine} at {point}: no request succeeded ({m['request_totals']})")
     out_tokens = m["output_token_count"]["successful"]["total_sum"]
-    p = {**params, "rate": point, "ok": ok, "errored": m["request_totals"]["errored"],
+    p = {**params, "rate": point, "ok": ok, "sent": requests_at(point, params["num_requests"]), "errored": m["request_totals"]["errored"],
          "duration_s": round(bench["duration"], 2), "loadavg_1m": round(os.getloadavg()[0], 2),
          "mean_output_tokens": round(out_tokens / ok, 1),
          "guidellm_output_tok_s_mean": round(m["output_tokens_per_second"]["successful"]["mean"], 2)}
@@ -164,6 +183,7 @@ def main() -> None:
         proc = _start(engine, path, port, args.threads)
         try:
             url = f"http://127.0.0.1:{port}"
+            warm_up(url, _model_name(engine, path))
             for point in points:
                 bench = run_guidellm(args.guidellm, url, _model_name(engine, path), path, point, args)
                 rows = rows_of(engine, point, bench, params)

@@ -172,7 +172,9 @@ def reshape_and_cache(
     check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping, check_values=check_inputs,
                                  k_scale=k_scale, v_scale=v_scale)
     if k_scale is not None or v_scale is not None:
-        if not _quantized_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        # (one scale without the other falls to the torch write, which refuses it)
+        if not (k_scale is not None and v_scale is not None
+                and _quantized_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)):
             from servelab.attention.ops import reshape_and_cache as torch_write
 
             torch_write(key, value, key_cache, value_cache, slot_mapping, check_inputs=False, k_scale=k_scale,

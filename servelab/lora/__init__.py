@@ -7,7 +7,8 @@ in one step, a host LRU of loaded adapters and device slots, Punica-style kernel
   (fused ``qkv_proj`` / ``gate_up_proj`` by output slices);
 - :class:`LoRAModelManager`: host cache (``max_cpu_loras``), slots (``max_loras``),
   activate / deactivate / pin;
-- the kernel seam: :func:`register_lora_kernel` (``"torch"``, ``"triton"``, ``"reference"``).
+- the kernel seam: :func:`register_lora_kernel` (``"cpu"``: C, the CPU default; ``"torch"``;
+  ``"triton"``; ``"reference"``).
 
 ``Pipeline(model, enable_lora=True, max_loras=4, max_lora_rank=16)`` then
 ``generate(prompts, params, lora_request=LoRARequest("sql", 1, path))``.
