@@ -378,3 +378,63 @@ def reset() -> None:
     global _built, _error
     with _lock:
         _built, _error = None, None
+
+
+# ---- a piece's own C library (quantized GEMM, LoRA) -----------------------------------------
+
+
+def build_library(name: str, source: Path, abi: int, key_macro: str, verify_script: str
+                  ) -> tuple[ctypes.CDLL | None, str]:
+    """``source`` built into its own cached ``<name>-<key>.so`` with the first of :data:`FLAG_SETS`
+    that compiles and passes ``verify_script`` (Python run in a child process with the library's
+    path and key as ``argv[1:3]``; it prints ``ok``), for a piece that keeps its C beside it
+    (:mod:`servelab.quantization.cpu_kernels`, :mod:`servelab.lora.cpu_kernels`) so changing it
+    rebuilds only that library. The key hashes the source, the compiler's version, the flags, the
+    resolved target and ``abi``; the source receives it as ``-D<key_macro>="<key>"``.
+
+    Returns the loaded library (its functions' ``argtypes`` are the caller's to set), or ``None``
+    and why: ``SERVELAB_CPU_KERNELS=0``, no compiler, or each flag set's failure."""
+    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0":
+        return None, "SERVELAB_CPU_KERNELS=0"
+    cc = compiler()
+    if shutil.which(cc) is None:
+        return None, f"no C compiler ({cc!r} not found; set CC)"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"{cc} --version failed: {error}"
+    reasons = []
+    for flags in FLAG_SETS:
+        outcome = _build_library_with(name, source, abi, key_macro, verify_script, cc, version, flags)
+        if not isinstance(outcome, str):
+            return outcome, ""
+        reasons.append(outcome)
+    return None, "; ".join(reasons)
+
+
+def _build_library_with(name: str, source: Path, abi: int, key_macro: str, verify_script: str, cc: str,
+                        version: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
+    """:func:`build_library` with one flag set: the loaded library, or why not (one line)."""
+    label = " ".join(flags)
+    try:
+        target = resolved_target(cc, flags)
+    except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+        return f"{label}: {error}"
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), version.encode(), label.encode(), target.encode(),
+                                     str(abi).encode()])).hexdigest()[:16]
+    path = kernel_cache_dir() / f"{name}-{key}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            partial = Path(tmp) / path.name
+            done = subprocess.run([cc, *flags, f'-D{key_macro}="{key}"', "-shared", "-fPIC", "-o", str(partial),
+                                   str(source)], capture_output=True, text=True, timeout=_TIMEOUT_S)
+            if done.returncode != 0:
+                return f"{label}: {(done.stderr.strip().splitlines()[-1:] or ['error'])[0]}"
+            os.replace(partial, path)
+    checked = subprocess.run([sys.executable, "-I", "-c", verify_script, str(path), key], capture_output=True,
+                             text=True, timeout=120)
+    if checked.returncode != 0 or not checked.stdout.strip().endswith("ok"):
+        path.unlink(missing_ok=True)  # rebuilt by the next process
+        return f"{label}: verification failed ({(checked.stderr.strip().splitlines()[-1:] or [''])[0]})"
+    return ctypes.CDLL(str(path))

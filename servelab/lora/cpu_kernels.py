@@ -22,12 +22,6 @@ loaded), as a library of its own. ``SERVELAB_CPU_KERNELS=0`` disables it like th
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -36,7 +30,6 @@ from typing import Any
 
 import torch
 
-from servelab._internal.paths import kernel_cache_dir
 from servelab.attention import cpu_kernel_build as build
 from servelab.lora import ops
 
@@ -87,52 +80,13 @@ _SIGNATURES = {
 }
 
 
-def _build_one(cc: str, version: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
-    try:
-        target = build.resolved_target(cc, flags)
-    except (OSError, subprocess.SubprocessError, build.KernelBuildError) as error:
-        return f"{' '.join(flags)}: {error}"
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
-                                     target.encode(), str(ABI).encode()])).hexdigest()[:16]
-    path = kernel_cache_dir() / f"lora-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            partial = Path(tmp) / path.name
-            done = subprocess.run([cc, *flags, f'-DSERVELAB_LORA_BUILD_KEY="{key}"', "-shared", "-fPIC", "-o",
-                                   str(partial), str(SOURCE)], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                return f"{' '.join(flags)}: {(done.stderr.strip().splitlines()[-1:] or ['error'])[0]}"
-            os.replace(partial, path)
-    checked = subprocess.run([sys.executable, "-I", "-c", _VERIFY, str(path), key], capture_output=True, text=True,
-                             timeout=120)
-    if checked.returncode != 0 or not checked.stdout.strip().endswith("ok"):
-        path.unlink(missing_ok=True)  # rebuilt by the next process
-        return f"{' '.join(flags)}: verification failed ({(checked.stderr.strip().splitlines()[-1:] or [''])[0]})"
-    lib = ctypes.CDLL(str(path))
-    for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
-
-
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0":
-        return None, "SERVELAB_CPU_KERNELS=0"
-    cc = build.compiler()
-    if shutil.which(cc) is None:
-        return None, f"no C compiler ({cc!r} not found; set CC)"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"{cc} --version failed: {error}"
-    reasons = []
-    for flags in build.FLAG_SETS:
-        outcome = _build_one(cc, version, flags)
-        if not isinstance(outcome, str):
-            return outcome, ""
-        reasons.append(outcome)
-    return None, "; ".join(reasons)
+    lib, why = build.build_library("lora", SOURCE, ABI, "SERVELAB_LORA_BUILD_KEY", _VERIFY)
+    if lib is not None:
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = ctypes.c_int
+    return lib, why
 
 
 def library() -> ctypes.CDLL | None:

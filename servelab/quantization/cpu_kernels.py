@@ -14,12 +14,6 @@ Format codes (the ``fmt`` argument): see :data:`FORMAT_CODES`.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,7 +21,6 @@ from typing import Any
 import torch
 
 from servelab.attention import cpu_kernel_build as build
-from servelab._internal.paths import kernel_cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_gemm.c"
 ABI = 1
@@ -60,54 +53,15 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _build_one(cc: str, version: str, flags: tuple[str, ...]) -> ctypes.CDLL | str:
-    try:
-        target = build.resolved_target(cc, flags)
-    except (OSError, subprocess.SubprocessError, build.KernelBuildError) as error:
-        return f"{' '.join(flags)}: {error}"
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
-                                     target.encode(), str(ABI).encode()])).hexdigest()[:16]
-    path = kernel_cache_dir() / f"quant_gemm-{key}.so"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            partial = Path(tmp) / path.name
-            done = subprocess.run([cc, *flags, f'-DSERVELAB_QUANT_BUILD_KEY="{key}"', "-shared", "-fPIC", "-o",
-                                   str(partial), str(SOURCE)], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                return f"{' '.join(flags)}: {(done.stderr.strip().splitlines()[-1:] or ['error'])[0]}"
-            os.replace(partial, path)
-    checked = subprocess.run([sys.executable, "-I", "-c", _VERIFY, str(path), key], capture_output=True, text=True,
-                             timeout=120)
-    if checked.returncode != 0 or not checked.stdout.strip().endswith("ok"):
-        path.unlink(missing_ok=True)  # rebuilt by the next process
-        return f"{' '.join(flags)}: verification failed ({(checked.stderr.strip().splitlines()[-1:] or [''])[0]})"
-    lib = ctypes.CDLL(str(path))
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.servelab_quant_gemm.argtypes = [i, p, i, i, i, i, p, i, p, p, i, p, p, i]
-    lib.servelab_quant_gemm.restype = None
-    lib.servelab_quant_rows.argtypes = [i, p, i, i, p, i, p]
-    lib.servelab_quant_rows.restype = None
-    return lib
-
-
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("SERVELAB_CPU_KERNELS", "1") == "0":
-        return None, "SERVELAB_CPU_KERNELS=0"
-    cc = build.compiler()
-    if shutil.which(cc) is None:
-        return None, f"no C compiler ({cc!r} not found; set CC)"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"{cc} --version failed: {error}"
-    reasons = []
-    for flags in build.FLAG_SETS:
-        outcome = _build_one(cc, version, flags)
-        if not isinstance(outcome, str):
-            return outcome, ""
-        reasons.append(outcome)
-    return None, "; ".join(reasons)
+    lib, why = build.build_library("quant_gemm", SOURCE, ABI, "SERVELAB_QUANT_BUILD_KEY", _VERIFY)
+    if lib is not None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.servelab_quant_gemm.argtypes = [i, p, i, i, i, i, p, i, p, p, i, p, p, i]
+        lib.servelab_quant_gemm.restype = None
+        lib.servelab_quant_rows.argtypes = [i, p, i, i, p, i, p]
+        lib.servelab_quant_rows.restype = None
+    return lib, why
 
 
 def library() -> ctypes.CDLL | None:
