@@ -189,7 +189,8 @@ def _fold_refusal(attn: Any, head_dim: int) -> str | None:
     name = type(attn).__name__
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
-        if not all(type(n) in (GemmaRMSNorm, RMSNorm) and tuple(n.weight.shape) == (head_dim,) for n in norms):
+        if not all(n is not None and type(n) in (GemmaRMSNorm, RMSNorm) and tuple(n.weight.shape) == (head_dim,)
+                   for n in norms):
             return (f"{name}'s q_norm / k_norm are not per-head RMSNorms over head_dim={head_dim} (a norm over "
                     "the whole projection mixes heads, and a factor before it is normalized away)")
         return None
