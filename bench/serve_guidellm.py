@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_io import append_rows, make_row  # noqa: E402
-from serve_peers import COMPONENT, _model_name, _smollm2, _start, _stop  # noqa: E402
+from serve_peers import COMPONENT, _model_name, _smollm2, _start, _stop, draw_engines  # noqa: E402
 
 from servelab.serve.server import free_port  # noqa: E402
 
@@ -116,11 +116,6 @@ def rows_of(engine: str, point: str, bench: dict, params: dict) -> list[dict]:
 def plot(out: Path | None = None) -> Path:
     """Output tokens/s and TTFT p50 (p25..p75 bars) per load point, one line per engine, from the
     latest guidellm row of each (engine, point): bench/results/serve_guidellm.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from results_io import RESULTS_CSV, read_rows
 
     latest: dict[tuple[str, str, str], dict] = {}
@@ -131,25 +126,12 @@ def plot(out: Path | None = None) -> Path:
     def order(point: str) -> tuple[int, float]:  # Poisson rates ascending, then concurrency levels
         return (1, float(point[1:])) if point.startswith("c") else (0, float(point))
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((axes[0], "output_throughput", "output tokens/s"), (axes[1], "ttft", "TTFT p50 (s)")):
-        for engine in sorted({k[0] for k in latest}):
-            rows = sorted((r for k, r in latest.items() if k[0] == engine and k[1] == metric),
-                          key=lambda r: order(str(r["params"]["rate"])))
-            xs = [str(r["params"]["rate"]) for r in rows]
-            ys = [r["value"] for r in rows]
-            lo = [max(0.0, y - r["params"].get("p25", y)) for y, r in zip(ys, rows)]
-            hi = [max(0.0, r["params"].get("p75", y) - y) for y, r in zip(ys, rows)]
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=engine)
-        ax.set_xlabel("load point (Poisson requests/s; cN = N concurrent streams)")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.suptitle("servelab serve vs transformers serve --continuous-batching, SmolLM2-135M, CPU, guidellm client")
-    fig.tight_layout()
-    path = out or RESULTS_CSV.parent / "serve_guidellm.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    def spread(row: dict) -> tuple[float, float]:
+        return row["params"].get("p25", row["value"]), row["params"].get("p75", row["value"])
+
+    return draw_engines(latest, order, spread, "load point (Poisson requests/s; cN = N concurrent streams)",
+                        "servelab serve vs transformers serve --continuous-batching, SmolLM2-135M, CPU, guidellm client",
+                        out or RESULTS_CSV.parent / "serve_guidellm.png")
 
 
 def main() -> None:

@@ -254,14 +254,39 @@ def storm(args, path: Path) -> None:
           f"{len(report.wrong_answers)}, malformed/wrong-type/too-long all 400: {bad_ok}; load {load}")
 
 
-def plot(out: Path | None = None) -> Path:
-    """Output tokens/s and TTFT p50 (p20..p80 bars) against the offered rate, one line per engine,
-    from the latest sweep row of each (engine, rate): bench/results/serve_peers.png."""
+def draw_engines(latest: dict[tuple[str, str, str], dict], order, spread, xlabel: str, title: str,
+                 path: Path) -> Path:
+    """Two panels (output tokens/s, TTFT p50), one line per engine over the load points of ``latest``
+    (``(engine, metric, point) -> row``), points sorted by ``order(point)``, error bars from
+    ``spread(row) -> (low, high)``; saved to ``path``. Shared with ``serve_guidellm.py``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in ((axes[0], "output_throughput", "output tokens/s"), (axes[1], "ttft", "TTFT p50 (s)")):
+        for engine in sorted({k[0] for k in latest}):
+            rows = sorted((r for k, r in latest.items() if k[0] == engine and k[1] == metric),
+                          key=lambda r: order(str(r["params"]["rate"])))
+            ys = [r["value"] for r in rows]
+            bounds = [spread(r) for r in rows]
+            err = [[max(0.0, y - lo) for y, (lo, _) in zip(ys, bounds)],
+                   [max(0.0, hi - y) for y, (_, hi) in zip(ys, bounds)]]
+            ax.errorbar([str(r["params"]["rate"]) for r in rows], ys, yerr=err, marker="o", capsize=3, label=engine)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(out: Path | None = None) -> Path:
+    """Output tokens/s and TTFT p50 (p20..p80 bars) against the offered rate, one line per engine,
+    from the latest sweep row of each (engine, rate): bench/results/serve_peers.png."""
     from results_io import RESULTS_CSV, read_rows
 
     latest: dict[tuple[str, str, str], dict] = {}
@@ -269,25 +294,15 @@ def plot(out: Path | None = None) -> Path:
         if (row["metric"] in ("output_throughput", "ttft") and "rate" in row["params"]
                 and row["params"].get("client") != "guidellm"):  # guidellm's rows: serve_guidellm.py --plot
             latest[(row["implementation"], row["metric"], str(row["params"]["rate"]))] = row
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, label in ((axes[0], "output_throughput", "output tokens/s"), (axes[1], "ttft", "TTFT p50 (s)")):
-        for engine in sorted({k[0] for k in latest}):
-            rows = sorted((r for k, r in latest.items() if k[0] == engine and k[1] == metric),
-                          key=lambda r: float("inf") if r["params"]["rate"] == "inf" else float(r["params"]["rate"]))
-            xs = [str(r["params"]["rate"]) for r in rows]
-            ys = [r["value"] for r in rows]
-            err = [[max(0.0, y - (r["p20"] if r["p20"] is not None else y)) for y, r in zip(ys, rows)],
-                   [max(0.0, (r["p80"] if r["p80"] is not None else y) - y) for y, r in zip(ys, rows)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=engine)
-        ax.set_xlabel("offered rate (requests/s; inf = all at once)")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.suptitle("servelab serve vs transformers serve --continuous-batching, SmolLM2-135M, CPU (loaded machine)")
-    fig.tight_layout()
-    path = out or RESULTS_CSV.parent / "serve_peers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+
+    def spread(row: dict) -> tuple[float, float]:
+        y = row["value"]
+        return (row["p20"] if row["p20"] is not None else y, row["p80"] if row["p80"] is not None else y)
+
+    return draw_engines(latest, lambda point: float(point), spread,
+                        "offered rate (requests/s; inf = all at once)",
+                        "servelab serve vs transformers serve --continuous-batching, SmolLM2-135M, CPU (loaded machine)",
+                        out or RESULTS_CSV.parent / "serve_peers.png")
 
 
 def main() -> None:

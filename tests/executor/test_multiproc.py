@@ -123,7 +123,8 @@ import sys
 from servelab import Pipeline, SamplingParams
 pipe = Pipeline.from_pretrained(sys.argv[1], tensor_parallel_size=2)
 print("PIDS", *[p.pid for p in pipe.executor.processes], flush=True)
-pipe.generate(["x"] * 4, SamplingParams(max_tokens=100000, ignore_eos=True))
+while True:  # generating when the signal comes, however fast the machine (a capped generate can finish first)
+    pipe.generate(["x"] * 4, SamplingParams(max_tokens=100000, ignore_eos=True))
 """
 
 
