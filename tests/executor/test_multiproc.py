@@ -123,8 +123,9 @@ import sys
 from servelab import Pipeline, SamplingParams
 pipe = Pipeline.from_pretrained(sys.argv[1], tensor_parallel_size=2)
 print("PIDS", *[p.pid for p in pipe.executor.processes], flush=True)
-while True:  # generating when the signal comes, however fast the machine (a capped generate can finish first)
-    pipe.generate(["x"] * 4, SamplingParams(max_tokens=100000, ignore_eos=True))
+# 32 prompts to their length cap: still generating when the signal comes 1 s in, however fast the machine
+# (4 prompts finished first on an idle one and the script exited 0)
+pipe.generate(["x"] * 32, SamplingParams(max_tokens=100000, ignore_eos=True))
 """
 
 
