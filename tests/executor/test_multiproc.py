@@ -119,7 +119,8 @@ def test_pp2_is_token_exact_then_a_hung_worker_is_detected(tiny, reference):
 
 
 SCRIPT = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job inherits SIGINT ignored
 from servelab import Pipeline, SamplingParams
 pipe = Pipeline.from_pretrained(sys.argv[1], tensor_parallel_size=2)
 print("PIDS", *[p.pid for p in pipe.executor.processes], flush=True)
