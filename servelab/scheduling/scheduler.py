@@ -173,11 +173,7 @@ class Scheduler(Preemption, ConnectorStates):
         # KV-cache events (servelab.blocks.events): one batch per step, after the commit.
         self._publish_kv_events = getattr(kv_cache_manager, "publish_kv_events", None)
         self.num_steps = 0
-        self.emit_running_outputs = True
-        """False: ``update_from_output`` may leave out the outputs of one-token decode rows of
-        requests that go on (ends, failures, prefill completions and speculative rows are always
-        reported). For a caller that reads only ends — the simulator, where building an output per
-        running request and step was ~5% of a large run."""
+        self.emit_running_outputs = True  # False: no outputs for decode rows that go on (the simulator reads ends)
         self.in_flight_output: SchedulerOutput | None = None
         """The last ``schedule()`` output not yet settled by ``update_from_output`` or
         ``rollback_step`` (what a caller interrupted around ``schedule()`` rolls back)."""

@@ -194,9 +194,7 @@ class RequestTransitions:
         cache_blocks = self._cache_blocks
         block_size = self.block_size
         append = outputs.append
-        any_finished = False
-        any_drafts = bool(spec_scheduled)
-        emit = self.emit_running_outputs
+        any_finished, any_drafts, emit = False, bool(spec_scheduled), self.emit_running_outputs
         for idx, rid in enumerate(req_ids):
             req = requests.get(rid)
             if req is None or req.status is not RUNNING:
@@ -234,8 +232,8 @@ class RequestTransitions:
                     else:
                         if drafts_next is not None:
                             _take_drafts(req, drafts_next[idx], num_spec, max_len)
-                        if not emit:
-                            continue  # the caller reads ends only (Scheduler.emit_running_outputs)
+                        if not emit:  # the caller reads ends only (Scheduler.emit_running_outputs)
+                            continue
                         if logprobs is None:  # a bare output: two fields set, the rest are class defaults
                             out = _new_output(RequestOutput)
                             out.request_id = rid
