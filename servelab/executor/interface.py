@@ -27,12 +27,45 @@ pipeline); ``shutdown()`` is idempotent and leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from servelab.scheduling.output import ModelRunnerOutput, SchedulerOutput
 
-__all__ = ["Executor", "ExecutorDeadError", "RemoteRanksExecutor"]
+__all__ = ["Executor", "ExecutorDeadError", "RemoteRanksExecutor", "sigint_deferred"]
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) until the block ends, then deliver it.
+
+    Why: a message must reach every rank whole or not at all. A ``KeyboardInterrupt``
+    raised between the writes to rank 0 and rank 1 (or inside one message's bytes) leaves
+    rank 0 running a step whose collectives wait for a rank that never got it; the
+    driver's rollback then waits on that rank until the collective timeout. The wait for
+    the answers stays interruptible: only the sends and each answer's read are held.
+    Only the main thread receives signals, so elsewhere (a server's engine thread) and
+    where Python does not own the SIGINT handler this is a no-op.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    caught: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, caught[0])
+        elif caught and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 class ExecutorDeadError(RuntimeError):
@@ -99,10 +132,13 @@ class RemoteRanksExecutor(Executor):
     """The runner's calls for executors whose ranks run elsewhere (worker processes, Ray
     actors): one message per call to every rank, the answer of the last rank kept.
 
-    Subclasses provide ``_call(kind, payload) -> list`` (every rank's answer, in rank order;
-    :class:`ExecutorDeadError` once a rank is gone) and keep ``_dead`` (the reason, or None).
+    Subclasses provide ``_send(kind, payload) -> ticket`` (the message written to every
+    rank; :class:`ExecutorDeadError` once a rank is gone) and ``_receive(ticket) -> list``
+    (every rank's answer, in rank order), and keep ``_dead`` (the reason, or None). Sends
+    run with Ctrl-C held (:func:`sigint_deferred`): every rank gets a message or none does.
     Requests removed since the last step travel with the next step's message, so removing
-    one costs no message of its own.
+    one costs no message of its own; they are forgotten only once that message is sent
+    (removing is idempotent on a rank, so a resend after an interrupted wait is harmless).
     """
 
     _dead: str | None
@@ -113,13 +149,27 @@ class RemoteRanksExecutor(Executor):
         self._dead = None
 
     @abstractmethod
+    def _send(self, kind: str, payload: Any) -> Any:
+        """Write ``(kind, payload)`` to every rank; a ticket for :meth:`_receive`."""
+
+    @abstractmethod
+    def _receive(self, ticket: Any) -> list[Any]:
+        """Every rank's answer to the message ``ticket`` names, in rank order."""
+
     def _call(self, kind: str, payload: Any) -> list[Any]:
-        """Send ``(kind, payload)`` to every rank; their answers in rank order."""
+        with sigint_deferred():
+            ticket = self._send(kind, payload)
+        return self._receive(ticket)
+
+    def _step_call(self, kind: str, so: SchedulerOutput) -> list[Any]:
+        with sigint_deferred():
+            ticket = self._send(kind, (self._removed, so))
+            self._removed = []
+        return self._receive(ticket)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
-        removed, self._removed = self._removed, []
-        out, verification, finished = self._call("execute", (removed, so))[-1]
+        out, verification, finished = self._step_call("execute", so)[-1]
         self.last_verification = verification
         self.prompt_logprobs.finished.update(finished)
         return out
@@ -128,8 +178,7 @@ class RemoteRanksExecutor(Executor):
         self.last_verification = []
         if self._dead is not None:
             return  # nothing left to undo
-        removed, self._removed = self._removed, []
-        self._call("rollback", (removed, so))
+        self._step_call("rollback", so)
 
     def remove_request(self, req_id: str) -> None:
         self.prompt_logprobs.finished.pop(req_id, None)

@@ -21,7 +21,9 @@ seen after ``heartbeat_timeout_s``, default 5 s), and collectives time out after
 raising, kills every worker and makes the executor dead: the step's requests fail with
 the reason, and every later step fails its requests with it (the group is not
 restarted). Workers ignore SIGINT (the driver decides; a Ctrl-C in the caller
-interrupts the wait, the pipeline rolls the step back and the workers stay usable),
+interrupts the wait, the pipeline rolls the step back and the workers stay usable; the
+driver holds it while it writes a message or reads an answer, so a message is never
+split between ranks),
 die with the driver (``PR_SET_PDEATHSIG`` on Linux, and a parent check in the heartbeat
 thread), and are killed by :meth:`MultiprocExecutor.shutdown`, which also runs when the
 executor is garbage-collected or the interpreter exits.
@@ -43,7 +45,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import wait
 from typing import Any, ClassVar
 
-from servelab.executor.interface import ExecutorDeadError, RemoteRanksExecutor
+from servelab.executor.interface import ExecutorDeadError, RemoteRanksExecutor, sigint_deferred
 from servelab.executor.parallel_state import default_backend
 from servelab.executor.worker import WorkerClock, WorkerSpec, build_worker_runner, error_text, handle_message
 
@@ -256,7 +258,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
                     raise self._fail(self._death_reason(sentinels[handle]))
                 rank = by_handle[handle]
                 try:
-                    got, status, value = self._conns[rank].recv()
+                    with sigint_deferred():  # a half-read answer would desynchronise the pipe
+                        got, status, value = self._conns[rank].recv()
                 except (EOFError, OSError):  # its pipe closed: it is exiting (the sentinel may come later)
                     raise self._fail(self._death_reason(rank)) from None
                 if got != seq:
@@ -298,5 +301,8 @@ class MultiprocExecutor(RemoteRanksExecutor):
                 raise self._fail(self._death_reason(rank))
         self._check_heartbeats(False)
 
-    def _call(self, kind: str, payload: Any) -> list[Any]:
-        return self._collect(self._broadcast(kind, payload))
+    def _send(self, kind: str, payload: Any) -> int:
+        return self._broadcast(kind, payload)
+
+    def _receive(self, ticket: int) -> list[Any]:
+        return self._collect(ticket)

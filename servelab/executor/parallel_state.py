@@ -210,14 +210,15 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, *, init_method: s
 
     world = tp_size * pp_size
     tp_rank, pp_rank = rank_layout(rank, tp_size, pp_size)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     tp_groups = [tuple(j * tp_size + i for i in range(tp_size)) for j in range(pp_size)]
     pp_groups = [tuple(i + j * tp_size for j in range(pp_size)) for i in range(tp_size)]
     made: dict[tuple[int, ...], Any] = {}
     for ranks in [*tp_groups, *pp_groups]:
         if len(ranks) > 1 and ranks not in made:
-            made[ranks] = dist.new_group(list(ranks), backend=backend)
+            # a group does not inherit the world's timeout (torch's default is 30 minutes)
+            made[ranks] = dist.new_group(list(ranks), backend=backend, timeout=timeout)
     tp_ranks, pp_ranks = tp_groups[pp_rank], pp_groups[tp_rank]
     state = ParallelState(rank, tp_size, pp_size, GroupCoordinator(tp_ranks, tp_rank, made.get(tp_ranks)),
                           GroupCoordinator(pp_ranks, pp_rank, made.get(pp_ranks)), dp_size=dp_size,

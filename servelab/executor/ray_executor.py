@@ -147,12 +147,16 @@ class RayExecutor(RemoteRanksExecutor):
             self._started_ray = False
             _ray().shutdown()
 
-    def _call(self, kind: str, payload: Any) -> list[Any]:
+    def _send(self, kind: str, payload: Any) -> tuple[str, list[Any]]:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
         ray = _ray()
         ref = ray.put((kind, payload))  # one object, read by every rank
-        return self._get([a.handle_ref.remote(ref) for a in self.actors], kind)
+        return kind, [a.handle_ref.remote(ref) for a in self.actors]
+
+    def _receive(self, ticket: tuple[str, list[Any]]) -> list[Any]:
+        kind, refs = ticket
+        return self._get(refs, kind)
 
     def worker_pids(self) -> list[int]:
         """The actors' process ids (tests)."""

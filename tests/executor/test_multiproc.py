@@ -4,7 +4,9 @@ Few and small (each pipeline start spawns and imports torch in every rank: ~10-3
 loaded 2-core machine): one TP=2 pipeline checked token for token against the in-process
 one on a workload with shared prefixes, n-gram speculation and preemption, then a worker
 killed with SIGKILL; one PP=2 pipeline, then a worker frozen with SIGSTOP (a hang); one
-script interrupted with SIGINT mid-generate. Refusals need no process at all.
+script interrupted with SIGINT mid-generate; two TP=2 pipelines whose message to rank 1
+is trapped (a Ctrl-C between two ranks' writes; a message dropped, so a collective times
+out). Refusals need no process at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -157,3 +160,57 @@ def test_tp2_pp2_four_ranks_are_token_exact(tiny, reference):
     with Pipeline.from_pretrained(tiny, tensor_parallel_size=2, pipeline_parallel_size=2, **SETTINGS) as pipe:
         assert [o.token_ids for o in pipe.generate(PROMPTS, GREEDY)] == reference
         assert len(pipe.executor.comm_stats()) == 4
+
+
+
+class _Trap:
+    """A rank's pipe that, once armed, either raises SIGINT in the driver just before the
+    next message is written (a Ctrl-C between the writes of one step's message to two
+    ranks) or drops that message (a peer that never joins the step's collectives)."""
+
+    def __init__(self, conn, action):
+        self.conn, self.action, self.armed = conn, action, False
+
+    def send_bytes(self, data):
+        if self.armed:
+            self.armed = False
+            if self.action == "drop":
+                return
+            os.kill(os.getpid(), signal.SIGINT)
+        self.conn.send_bytes(data)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_ctrl_c_between_two_ranks_writes_leaves_the_group_usable_and_exact(tiny):
+    """Without :func:`~servelab.executor.interface.sigint_deferred` the interrupt split the
+    message: rank 0 ran the step and waited in an all-reduce rank 1 never joined, the
+    rollback waited for the collective timeout, and the group died."""
+    executor = MultiprocExecutor(collective_timeout_s=5.0)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with Pipeline.from_pretrained(tiny, tensor_parallel_size=2, distributed_executor_backend=executor) as pipe:
+        expected = [o.token_ids for o in pipe.generate(["x y", "z"], params)]
+        executor._conns[1] = trap = _Trap(executor._conns[1], "signal")
+        trap.armed = True
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            pipe.generate(["x y", "z"], params)
+        assert [o.token_ids for o in pipe.generate(["x y", "z"], params)] == expected
+        assert time.monotonic() - start < 4.0 and executor._dead is None
+
+
+def test_a_collective_whose_peer_never_joins_times_out(tiny):
+    """The process groups carry ``collective_timeout_s`` (a ``new_group`` does not inherit
+    the world's; it waited torch's default of 30 minutes)."""
+    executor = MultiprocExecutor(collective_timeout_s=3.0)
+    with Pipeline.from_pretrained(tiny, tensor_parallel_size=2, distributed_executor_backend=executor) as pipe:
+        rid = pipe.add_request("x y", SamplingParams(temperature=0, max_tokens=3))
+        executor._conns[1] = trap = _Trap(executor._conns[1], "drop")
+        trap.armed = True
+        stepping = threading.Thread(target=pipe.step, daemon=True)
+        stepping.start()
+        stepping.join(20.0)
+        assert not stepping.is_alive(), "the step still waits on a collective rank 1 never joined"
+        out = pipe.get_output(rid)
+        assert out.finish_reason == "error" and "rank 0 raised" in out.error, out.error
