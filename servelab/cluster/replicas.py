@@ -39,6 +39,7 @@ from typing import Any
 from servelab.blocks.events import KVEventIndex
 from servelab.blocks.hashing import RequestBlockHasher
 from servelab.cluster.router import ReplicaState, RouteRequest, get_router
+from servelab.executor.interface import sigint_deferred
 
 __all__ = ["ReplicaDeadError", "ReplicaRun", "Replicas", "RoutedOutput", "scaled_block_trace",
            "sequential_arrivals"]
@@ -304,7 +305,8 @@ class Replicas:
 
     def _send(self, rep: _Replica, message: Any, results: dict[str, RoutedOutput]) -> None:
         try:
-            rep.conn.send(message)
+            with sigint_deferred():  # a half-written message would desynchronise the pipe
+                rep.conn.send(message)
         except OSError as exc:
             self._fail(rep, f"replica {rep.index} cannot be reached ({exc})", results)
 
@@ -334,12 +336,13 @@ class Replicas:
     def _receive(self, rep: _Replica, results: dict[str, RoutedOutput]) -> None:
         try:
             while True:
-                kind, finished, events, load = rep.conn.recv()
-                rep.kv_index.apply(events)
-                rep.num_waiting, rep.num_running, rep.kv_usage = load
-                for out in finished:
-                    rep.outstanding -= rep.in_flight.pop(out.request_id, 0)
-                    results[out.request_id] = out
+                with sigint_deferred():  # read and booked whole, or not read
+                    kind, finished, events, load = rep.conn.recv()
+                    rep.kv_index.apply(events)
+                    rep.num_waiting, rep.num_running, rep.kv_usage = load
+                    for out in finished:
+                        rep.outstanding -= rep.in_flight.pop(out.request_id, 0)
+                        results[out.request_id] = out
                 if not rep.conn.poll(0):
                     return
         except (EOFError, OSError):
