@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from servelab.quantization import QuantMethod, cpu_kernels, get_quant_method, register_quant_method
+from servelab.quantization import QuantMethod, cpu_kernels, formats, get_quant_method, register_quant_method
 from servelab.quantization.layer import QuantizedEmbedding, QuantizedLinear
 from servelab.reference.quant_linear import dequantize, quant_linear
 from test_formats import random_blocks  # noqa: E402
@@ -107,6 +107,17 @@ def test_embedding_reads_only_its_rows_and_ties_the_head(kind):
     assert torch.all((head(hidden).double() - hidden.double() @ full.double().T).abs() <= _bound(hidden, full))
     with pytest.raises(IndexError, match="out of range"):
         table(torch.tensor([50]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_prefill_decodes_the_table_in_c_to_the_same_bits(kind, monkeypatch):
+    """More rows than the C kernel takes: the C row decoder, bit-equal to the torch dequantizer."""
+    layer = _layer(kind, None, 37, 2 * get_quant_method(kind).block_elems, 3, bias=True)
+    full = dequantize(kind, layer.tensors(), layer.in_features).float()
+    monkeypatch.setattr(formats, "dequantize_gguf", lambda *a: pytest.fail("the torch dequantizer ran"))
+    x = torch.randn(cpu_kernels.MAX_ROWS + 3, layer.in_features)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, full, layer.bias))
 
 
 def test_unknown_method_and_bad_width_are_refused():
