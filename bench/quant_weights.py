@@ -68,7 +68,7 @@ def build(variant: str, path: Path, model_name: str, float_model=None):
     """A pipeline of ``variant`` (online methods quantize ``float_model``, else a fresh float32 load, in place)."""
     from servelab import Pipeline
 
-    common = {"max_num_seqs": 16}
+    common = {"max_num_seqs": 16, "enable_prefix_caching": False}  # every prompt computed, as llama.cpp's
     if variant == "gguf":
         return Pipeline.from_pretrained(path, **common)
     if variant == "float32":
@@ -149,6 +149,26 @@ def llama_complete(server, prompt: list[int], n_predict: int) -> tuple[float, di
 
 
 def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+    """llama.cpp's rows, measured in a fresh process: in this one, after torch ran at 2 threads,
+    llama.cpp's 2-thread decode fell from 77.7 to 36.6 tok/s (the two thread pools fight for the
+    cores), which would flatter servelab."""
+    done = subprocess.run([sys.executable, __file__, "--llama-child", json.dumps([str(path), short, long_prompt,
+                                                                                 threads, common])],
+                          capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    if done.returncode != 0 or not lines:
+        print(f"  llama.cpp t={threads}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
+        return []
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  llama.cpp")), flush=True)
+    return json.loads(lines[-1])
+
+
+def llama_cpp_child(args_json: str) -> None:
+    path, short, long_prompt, threads, common = json.loads(args_json)
+    print(json.dumps(llama_cpp_measure(Path(path), short, long_prompt, threads, common)), flush=True)
+
+
+def llama_cpp_measure(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
     server = llama_server(path, threads)
     if server is None:
         return []
@@ -251,10 +271,14 @@ def main() -> int:
     parser.add_argument("--parts", default="acc,speed,rss")
     parser.add_argument("--text-tokens", type=int, default=2048)
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--llama-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--plot", action="store_true", help="only draw results/quant_weights.png from the CSV")
     args = parser.parse_args()
     if args.plot:
         print(plot())
+        return 0
+    if args.llama_child:
+        llama_cpp_child(args.llama_child)
         return 0
     path = gguf_path(args.model)
     if args.rss_child:
