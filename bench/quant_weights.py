@@ -9,10 +9,14 @@ Variants (``implementation`` of the rows, ``component=quant_weights``):
   Q4_K_M's Q5_0 / Q4_K / Q6_K / Q8_0);
 - ``int8`` / ``w4a16``: online quantization of the float32 weights (``w4a16`` with group 128 where it
   divides every width, else 32: SmolLM2's 576 takes 32);
-- ``llama.cpp``: llama.cpp itself on the same file, same prompts and thread counts, greedy, in this
-  process through ``xllamacpp`` (prebuilt CPU wheels of llama.cpp's server: ``pip install xllamacpp``,
-  bench environment only, never CI; ``llama-cpp-python`` is source-only on PyPI and its build did not
-  finish on the shared 2-core VM); skipped with a note when missing.
+- ``llama.cpp``: llama.cpp itself on the same file, same prompts and thread counts, greedy, in a
+  fresh process through ``xllamacpp`` (prebuilt CPU wheels of llama.cpp's server, an AVX2 build:
+  ``pip install xllamacpp``, bench environment only, never CI); skipped with a note when missing;
+- ``llama-cpp-python`` (with ``--llama-cpp-python PYTHON``): llama.cpp built from source for this
+  CPU (AVX-512, VNNI, BF16; AMX off: its AMX matmul crashed in this VM), run by an interpreter that
+  has it (a bench venv: ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+  -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AMX_INT8=OFF ..." pip install llama-cpp-python``),
+  the stronger anchor of the two.
 
 Metrics: ``ppl`` / ``ppl_ratio`` / ``kl_mean`` / ``top1_agreement`` teacher-forced over real text
 (``bench/data/kv_quant_text.txt``) against ``float32``; ``greedy_equal`` (of 16 demo prompts, 32
@@ -148,6 +152,57 @@ def llama_complete(server, prompt: list[int], n_predict: int) -> tuple[float, di
     return time.perf_counter() - start, out
 
 
+LLAMA_CPP_PYTHON = r"""
+import json, sys, time
+import llama_cpp
+path, short, long_prompt, threads, new_tokens = json.loads(sys.argv[1])
+llm = llama_cpp.Llama(path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+def complete(prompt, n):  # greedy, EOS ignored, nothing reused from the previous prompt
+    llm.reset()
+    start, made = time.perf_counter(), 0
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        made += 1
+        if made == n:
+            break
+    return time.perf_counter() - start, made
+
+complete(short[0], 4)
+walls = [complete(p, new_tokens) for p in short]
+prefill = complete(long_prompt, 1)
+print(json.dumps({"version": llama_cpp.__version__, "walls": walls, "prefill": prefill}))
+"""
+
+
+def llama_cpp_python_rows(python: str, path: Path, short: list[list[int]], long_prompt: list[int], threads: int,
+                          common) -> list:
+    """llama.cpp through ``llama-cpp-python`` (built from source with ``-DGGML_NATIVE=ON``: this CPU's
+    AVX-512 and VNNI), run by ``python`` (an interpreter with ``llama_cpp`` installed, e.g. a bench
+    venv), one prompt after another, greedy, EOS ignored (``Llama.generate`` does not stop at it)."""
+    done = subprocess.run([python, "-c", LLAMA_CPP_PYTHON, json.dumps([str(path), short, long_prompt, threads,
+                                                                       NEW_TOKENS])],
+                          capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"  llama-cpp-python t={threads}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})",
+              flush=True)
+        return []
+    got = json.loads(lines[-1])
+    common = dict(common, engine=f"llama-cpp-python {got['version']} (GGML_NATIVE)", threads=threads,
+                  loadavg=os.getloadavg()[0])
+    (wall, made), walls = got["walls"][0], got["walls"]
+    aggregate = sum(m for _, m in walls) / sum(w for w, _ in walls)
+    prefill = len(long_prompt) / got["prefill"][0]
+    print(f"  llama-cpp-python t={threads} batch=1 decode {made / wall:7.1f} tok/s, 16 one after another "
+          f"{aggregate:7.1f} tok/s, prefill {prefill:7.1f} tok/s", flush=True)
+    return [make_row("quant_weights", "llama-cpp-python", "decode_tok_s", "tok/s", made / wall,
+                     params=dict(common, batch=1)),
+            make_row("quant_weights", "llama-cpp-python", "aggregate_tok_s", "tok/s", aggregate,
+                     params=dict(common, requests=len(short), served="one after another")),
+            make_row("quant_weights", "llama-cpp-python", "prefill_tok_s", "tok/s", prefill,
+                     params=dict(common, prompt_tokens=len(long_prompt)))]
+
+
 def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
     """llama.cpp's rows, measured in a fresh process: in this one, after torch ran at 2 threads,
     llama.cpp's 2-thread decode fell from 77.7 to 36.6 tok/s (the two thread pools fight for the
@@ -209,7 +264,17 @@ def rss_child(variant: str, path: Path, model_name: str) -> None:
 
         pipe = build(variant, path, model_name)
         pipe.generate(["The cache"], SamplingParams(temperature=0, max_tokens=8))
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set since its ``exec`` (``VmHWM``). Not ``ru_maxrss``: Linux keeps
+    that across ``exec``, so a child forked from a parent holding 18 GB reported 18 GB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rss_rows(path: Path, model_name: str, variants: list[str], common) -> list:
@@ -222,7 +287,7 @@ def rss_rows(path: Path, model_name: str, variants: list[str], common) -> list:
             print(f"  rss {variant}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
             continue
         mib = json.loads(lines[-1])["peak_rss_mib"]
-        rows.append(make_row("quant_weights", variant, "peak_rss", "MiB", mib, params=common))
+        rows.append(make_row("quant_weights", variant, "peak_rss", "MiB", mib, params=dict(common, rss="VmHWM")))
         print(f"  {variant:9s} peak RSS {mib:7.0f} MiB", flush=True)
     return rows
 
@@ -237,28 +302,28 @@ def plot(out: Path = Path(__file__).parent / "results" / "quant_weights.png") ->
 
     from results_io import read_rows
 
-    rows = read_rows(component="quant_weights")
+    rows = [r for r in read_rows(component="quant_weights") if r["params"].get("model") == "smollm2"]
     latest: dict[tuple, float] = {}
     for r in rows:
         params = r["params"]
-        if r["metric"] == "decode_tok_s" and params.get("threads") == 1:
+        if r["metric"] == "decode_tok_s" and params.get("threads") == 1 and params.get("batch") in BATCHES:
             latest[(r["implementation"], params["batch"])] = r["value"]
         elif r["metric"] == "aggregate_tok_s" and params.get("threads") == 1:
             latest[(r["implementation"], 16)] = r["value"]
-        elif r["metric"] == "peak_rss":
+        elif r["metric"] == "peak_rss" and params.get("rss") == "VmHWM":  # earlier rows: ru_maxrss (see peak_rss_mib)
             latest[(r["implementation"], "rss")] = r["value"]
-    variants = ["float32", "gguf", "int8", "w4a16", "llama.cpp"]
+    variants = ["float32", "gguf", "int8", "w4a16", "llama.cpp", "llama-cpp-python"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for i, variant in enumerate(variants):
         values = [latest.get((variant, b), 0.0) for b in BATCHES]
-        left.bar([x + 0.16 * i for x in range(len(BATCHES))], values, width=0.16, label=variant)
+        left.bar([x + 0.13 * i for x in range(len(BATCHES))], values, width=0.13, label=variant)
         right.bar(i, latest.get((variant, "rss"), 0.0))
     left.set_xticks([x + 0.32 for x in range(len(BATCHES))], [f"batch {b}" for b in BATCHES])
     left.set_ylabel("decode tok/s, 1 thread (llama.cpp at 16: one after another)")
     left.legend(fontsize=8)
-    right.set_xticks(range(len(variants)), variants)
+    right.set_xticks(range(len(variants)), variants, rotation=20, fontsize=8)
     right.set_ylabel("peak RSS (MiB)")
-    fig.suptitle("SmolLM2-135M Q4_1: native blocks vs float32 vs online vs llama.cpp (shared VM, under load)")
+    fig.suptitle("SmolLM2-135M Q4_1: native blocks vs float32 vs online vs llama.cpp (latest rows, 1 thread)")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     return out
@@ -270,8 +335,11 @@ def main() -> int:
     parser.add_argument("--threads", type=comma_separated(int), default=[1, 2])
     parser.add_argument("--parts", default="acc,speed,rss")
     parser.add_argument("--text-tokens", type=int, default=2048)
+    parser.add_argument("--variants", default="float32,gguf,int8,w4a16", help="servelab variants (with float32)")
     parser.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--llama-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                        help="also run llama-cpp-python with this interpreter (one where llama_cpp is installed)")
     parser.add_argument("--plot", action="store_true", help="only draw results/quant_weights.png from the CSV")
     args = parser.parse_args()
     if args.plot:
@@ -289,7 +357,9 @@ def main() -> int:
     parts = set(args.parts.split(","))
     common = {"model": args.model, "file": path.name}
     torch.set_num_threads(1)
-    variants = ["float32", "gguf", "int8", "w4a16"]
+    variants = [v for v in ("float32", "gguf", "int8", "w4a16") if v in args.variants.split(",")]
+    if "float32" not in variants:
+        raise SystemExit(f"--variants {args.variants!r} must include float32 (the baseline)")
     rows: list = []
     if parts == {"rss"}:
         append_rows(rss_rows(path, args.model, variants + ["llama.cpp"], common))
@@ -326,6 +396,8 @@ def main() -> int:
             for variant in variants:
                 rows += speed_rows(pipes[variant], variant, short, long_prompt, threads, common)
             rows += llama_cpp_rows(path, short, long_prompt, threads, common)
+            if args.llama_cpp_python:
+                rows += llama_cpp_python_rows(args.llama_cpp_python, path, short, long_prompt, threads, common)
         torch.set_num_threads(1)
     if "rss" in parts:
         del pipes
