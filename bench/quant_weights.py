@@ -389,7 +389,8 @@ def main() -> int:
             print(f"{variant:9s} ppl={m['ppl']:.4f} ratio={m['ppl'] / base['ppl']:.5f} kl={m['kl_mean']:.2e} "
                   f"top1={m['top1_agreement']:.4f} greedy={equal}/16", flush=True)
     if "speed" in parts:
-        short = [p[:16] for p in prompts]
+        # 16 tokens each (a model without a chat template gets text prompts: encoded here, its BOS included)
+        short = [(tokenizer.encode(p) if isinstance(p, str) else list(p))[:16] for p in prompts]
         long_prompt = tokenizer.encode(TEXT.read_text())[:512]
         for threads in args.threads:
             torch.set_num_threads(threads)

@@ -61,6 +61,23 @@ def test_fast_paths_match_the_reference(case, out, blocks, rows, bias, seed):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", ONLINE + [(k, None) for k in FILE_ONLY])
+def test_every_format_on_every_kernel_path(case):
+    """Each format at 1, 2 and 4 rows (register tiles), 5, 16 and 32 (the buffered path), an output
+    count that is not a multiple of the 4-row weight chunk: the sampled test above may draw a
+    format only a few times, so a path-specific decoding bug could hide from it."""
+    method, group = case
+    width = 2 * (group or max(get_quant_method(method).block_elems, 32))
+    layer = _layer(method, group, 37, width, 5, True)
+    tensors = layer.tensors()
+    bound_weight = dequantize(method, tensors, width)
+    for rows in (1, 2, 4, 5, 16, 32):
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+        error = (layer(x).double() - quant_linear(x.double(), method, tensors, width, layer.bias)).abs()
+        assert torch.all(error <= _bound(x, bound_weight)), (rows, error.max())
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_its_batch():
     layer = _layer("Q4_1", None, 48, 96, 0, True)
     x = torch.randn(32, 96, generator=torch.Generator().manual_seed(2))

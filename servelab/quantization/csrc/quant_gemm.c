@@ -193,15 +193,15 @@ static int64_t block_bytes(int64_t fmt, int64_t group) {
 #endif
 
 static inline int avx512_format(int64_t fmt, int64_t K, int64_t group) {
-    return K % 32 == 0 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0 || fmt == FMT_INT8
-                           || (fmt == FMT_W4A16 && group % 32 == 0));
+    return K % 32 == 0 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q5_0 || fmt == FMT_Q8_0
+                           || fmt == FMT_INT8 || (fmt == FMT_W4A16 && group % 32 == 0));
 }
 
 /* d[j], m[j] (w = q * d + m) of blocks b0 .. b0 + nb - 1 (nb <= QG_SEG) of one weight row. */
 static inline void seg_scales(int64_t fmt, const uint8_t *row, int64_t b0, int64_t nb, const float *scales,
                               const uint8_t *zeros, int64_t group, float *d, float *m) {
-    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q8_0) {
-        const int stride = fmt == FMT_Q4_0 ? 18 : (fmt == FMT_Q4_1 ? 20 : 34);
+    if (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q5_0 || fmt == FMT_Q8_0) {
+        const int stride = fmt == FMT_Q4_0 ? 18 : (fmt == FMT_Q4_1 ? 20 : (fmt == FMT_Q5_0 ? 22 : 34));
         const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
                                                                  15), _mm512_set1_epi32(stride));
         const __mmask16 live = (__mmask16)((1u << nb) - 1u);
@@ -213,6 +213,8 @@ static inline void seg_scales(int64_t fmt, const uint8_t *row, int64_t b0, int64
             vm = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
         else if (fmt == FMT_Q4_0)
             vm = _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));  /* exact: a power of two */
+        else if (fmt == FMT_Q5_0)
+            vm = _mm512_mul_ps(vd, _mm512_set1_ps(-16.0f));
         else
             vm = _mm512_setzero_ps();
         _mm512_storeu_ps(d, vd);
@@ -243,6 +245,19 @@ static inline __attribute__((always_inline)) void decode32(int64_t fmt, const ui
     }
     const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_ps(d), _mm512_set1_ps(m));
+    if (fmt == FMT_Q5_0) {  /* 5-bit: the nibble plus bit j (weight j) or j + 16 (weight j + 16) of qh */
+        const uint8_t *blk = row + b * 22;
+        uint32_t qh;
+        memcpy(&qh, blk + 2, sizeof(qh));
+        const __m512 upper = _mm512_fmadd_ps(_mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+                                                            30, 31), _mm512_set1_ps(d), _mm512_set1_ps(m));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+        const __m512i bit4 = _mm512_set1_epi32(16);
+        *w0 = _mm512_permutex2var_ps(table, _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, bit4), upper);
+        *w1 = _mm512_permutex2var_ps(table, _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, bit4), upper);
+        return;
+    }
     if (fmt == FMT_W4A16) {  /* byte j holds weights 2j (low nibble) and 2j + 1 */
         const __m128i q = _mm_loadu_si128((const __m128i *)(row + b * 16)), m8 = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_and_si128(q, m8), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m8);
@@ -370,6 +385,7 @@ static void tile_regs_any(const qg_args *g, const float *xr, int64_t xs, int64_t
     switch (g->fmt) {
     case FMT_Q4_1: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_1); break;
     case FMT_Q4_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_0); break;
+    case FMT_Q5_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q5_0); break;
     case FMT_Q8_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q8_0); break;
     case FMT_INT8: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_INT8); break;
     default: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_W4A16); break;
