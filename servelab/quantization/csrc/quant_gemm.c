@@ -194,7 +194,8 @@ static int64_t block_bytes(int64_t fmt, int64_t group) {
 
 static inline int avx512_format(int64_t fmt, int64_t K, int64_t group) {
     return K % 32 == 0 && (fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q5_0 || fmt == FMT_Q8_0
-                           || fmt == FMT_INT8 || (fmt == FMT_W4A16 && group % 32 == 0));
+                           || fmt == FMT_INT8 || (fmt == FMT_W4A16 && group % 32 == 0)
+                           || ((fmt == FMT_Q4_K || fmt == FMT_Q6_K) && K % 256 == 0));
 }
 
 /* d[j], m[j] (w = q * d + m) of blocks b0 .. b0 + nb - 1 (nb <= QG_SEG) of one weight row. */
@@ -219,6 +220,23 @@ static inline void seg_scales(int64_t fmt, const uint8_t *row, int64_t b0, int64
             vm = _mm512_setzero_ps();
         _mm512_storeu_ps(d, vd);
         _mm512_storeu_ps(m, vm);
+    } else if (fmt == FMT_Q4_K) {  /* 32-weight sub-block b % 8 of super-block b / 8: its 6-bit scale and min */
+        for (int64_t j = 0; j < nb; j++) {
+            const uint8_t *blk = row + (b0 + j) / 8 * 144;
+            int sc, mn;
+            q4_k_scale_min((int)((b0 + j) % 8), blk + 4, &sc, &mn);
+            d[j] = half_to_float(blk) * (float)sc;
+            m[j] = -(half_to_float(blk + 2) * (float)mn);
+        }
+    } else if (fmt == FMT_Q6_K) {  /* two scales per 32 weights (one per 16): carried in d and m */
+        for (int64_t j = 0; j < nb; j++) {
+            const uint8_t *blk = row + (b0 + j) / 8 * 210;
+            const int64_t k = (b0 + j) % 8;
+            const int8_t *s = (const int8_t *)(blk + 192 + 8 * (k / 4));
+            const float dd = half_to_float(blk + 208);
+            d[j] = dd * (float)s[2 * (k % 4)];
+            m[j] = dd * (float)s[2 * (k % 4) + 1];
+        }
     } else if (fmt == FMT_W4A16) {  /* 32-weight chunk b lies in group b * 32 / group */
         for (int64_t j = 0; j < nb; j++) {
             const int64_t g = (b0 + j) * 32 / group;
@@ -243,8 +261,38 @@ static inline __attribute__((always_inline)) void decode32(int64_t fmt, const ui
         *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), vd);
         return;
     }
+    if (fmt == FMT_Q6_K) {  /* q = 4 bits of ql | 2 bits of qh << 4, minus 32; w = (d * scale) * q */
+        const uint8_t *blk = row + b / 8 * 210;
+        const int64_t k = b % 8, r = k % 4;
+        const uint8_t *ql = blk + 64 * (k / 4) + 32 * (r & 1), *qh = blk + 128 + 32 * (k / 4);
+        const __m512i low4 = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+        __m512i q[2];
+        for (int half = 0; half < 2; half++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * half)));
+            const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * half)));
+            v = _mm512_and_si512(r >= 2 ? _mm512_srli_epi32(v, 4) : v, low4);
+            const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128((int)(2 * r))),
+                                                                    three), 4);
+            q[half] = _mm512_sub_epi32(_mm512_or_si512(v, high), bias);
+        }
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(q[0]), _mm512_set1_ps(d));
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(q[1]), _mm512_set1_ps(m));
+        return;
+    }
     const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_ps(d), _mm512_set1_ps(m));
+    if (fmt == FMT_Q4_K) {  /* sub-blocks 2c and 2c + 1 share 32 bytes: low nibbles, then high */
+        const uint8_t *q = row + b / 8 * 144 + 16 + 32 * ((b % 8) / 2);
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        if (b & 1) {
+            v0 = _mm512_srli_epi32(v0, 4);
+            v1 = _mm512_srli_epi32(v1, 4);
+        }
+        *w0 = _mm512_permutexvar_ps(v0, table);  /* vpermps reads an index's low 4 bits */
+        *w1 = _mm512_permutexvar_ps(v1, table);
+        return;
+    }
     if (fmt == FMT_Q5_0) {  /* 5-bit: the nibble plus bit j (weight j) or j + 16 (weight j + 16) of qh */
         const uint8_t *blk = row + b * 22;
         uint32_t qh;
@@ -386,6 +434,8 @@ static void tile_regs_any(const qg_args *g, const float *xr, int64_t xs, int64_t
     case FMT_Q4_1: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_1); break;
     case FMT_Q4_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_0); break;
     case FMT_Q5_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q5_0); break;
+    case FMT_Q4_K: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q4_K); break;
+    case FMT_Q6_K: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q6_K); break;
     case FMT_Q8_0: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_Q8_0); break;
     case FMT_INT8: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_INT8); break;
     default: tile_regs_fmt(g, xr, xs, tile, n0, nn, out, FMT_W4A16); break;
