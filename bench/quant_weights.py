@@ -130,11 +130,10 @@ def speed_rows(pipe, variant: str, short: list[list[int]], long_prompt: list[int
 
 def llama_server(path: Path, threads: int):
     """llama.cpp in this process: ``xllamacpp`` (prebuilt llama.cpp server bindings, CPU wheel), one
-    slot, no prompt cache; ``None`` (with a note) when it is not installed."""
+    slot, no prompt cache; ``None`` when it is not installed."""
     try:
         import xllamacpp
     except ImportError:
-        print("  llama.cpp: pip install xllamacpp (bench environment only); skipped", flush=True)
         return None
     params = xllamacpp.CommonParams()
     params.model.path = str(path)
@@ -150,6 +149,21 @@ def llama_complete(server, prompt: list[int], n_predict: int) -> tuple[float, di
     out = server.handle_completions({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
                                      "cache_prompt": False, "ignore_eos": True})
     return time.perf_counter() - start, out
+
+
+def child_json(command: list[str], label: str):
+    """Run ``command`` (a fresh process), return the JSON of its last stdout line that holds one, or
+    ``None`` after printing why it failed (``label``: what it measured)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        print(f"  {label}: failed ({error})", flush=True)
+        return None
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("{", "["))]
+    if done.returncode != 0 or not lines:
+        print(f"  {label}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
+        return None
+    return json.loads(lines[-1])
 
 
 LLAMA_CPP_PYTHON = r"""
@@ -176,19 +190,16 @@ print(json.dumps({"version": llama_cpp.__version__, "walls": walls, "prefill": p
 
 def llama_cpp_python_rows(python: str, path: Path, short: list[list[int]], long_prompt: list[int], threads: int,
                           common) -> list:
-    """llama.cpp through ``llama-cpp-python`` (built from source with ``-DGGML_NATIVE=ON``: this CPU's
-    AVX-512 and VNNI), run by ``python`` (an interpreter with ``llama_cpp`` installed, e.g. a bench
-    venv), one prompt after another, greedy, EOS ignored (``Llama.generate`` does not stop at it)."""
-    done = subprocess.run([python, "-c", LLAMA_CPP_PYTHON, json.dumps([str(path), short, long_prompt, threads,
-                                                                       NEW_TOKENS])],
-                          capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        print(f"  llama-cpp-python t={threads}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})",
-              flush=True)
+    """llama.cpp through ``llama-cpp-python`` (built from source for this CPU: AVX-512, VNNI, BF16, AMX
+    off; see the module docstring), run by ``python`` (an interpreter with ``llama_cpp`` installed, e.g. a
+    bench venv), one prompt after another, greedy, EOS ignored (``Llama.generate`` does not stop at it).
+    Rows recorded before 2026-12-06 01:10 UTC name the engine "(GGML_NATIVE)": the same explicit-flag
+    build."""
+    got = child_json([python, "-c", LLAMA_CPP_PYTHON, json.dumps([str(path), short, long_prompt, threads,
+                                                                   NEW_TOKENS])], f"llama-cpp-python t={threads}")
+    if got is None:
         return []
-    got = json.loads(lines[-1])
-    common = dict(common, engine=f"llama-cpp-python {got['version']} (GGML_NATIVE)", threads=threads,
+    common = dict(common, engine=f"llama-cpp-python {got['version']} (source build)", threads=threads,
                   loadavg=os.getloadavg()[0])
     (wall, made), walls = got["walls"][0], got["walls"]
     aggregate = sum(m for _, m in walls) / sum(w for w, _ in walls)
@@ -207,26 +218,25 @@ def llama_cpp_rows(path: Path, short: list[list[int]], long_prompt: list[int], t
     """llama.cpp's rows, measured in a fresh process: in this one, after torch ran at 2 threads,
     llama.cpp's 2-thread decode fell from 77.7 to 36.6 tok/s (the two thread pools fight for the
     cores), which would flatter servelab."""
-    done = subprocess.run([sys.executable, __file__, "--llama-child", json.dumps([str(path), short, long_prompt,
-                                                                                 threads, common])],
-                          capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
-    if done.returncode != 0 or not lines:
-        print(f"  llama.cpp t={threads}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
+    got = child_json([sys.executable, __file__, "--llama-child", json.dumps([str(path), short, long_prompt, threads,
+                                                                           common])], f"llama.cpp t={threads}")
+    if got is None:
         return []
-    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("  llama.cpp")), flush=True)
-    return json.loads(lines[-1])
+    rows, summary = got
+    print(summary, flush=True)
+    return rows
 
 
 def llama_cpp_child(args_json: str) -> None:
     path, short, long_prompt, threads, common = json.loads(args_json)
-    print(json.dumps(llama_cpp_measure(Path(path), short, long_prompt, threads, common)), flush=True)
+    print(json.dumps(llama_cpp_measure(Path(path), short, long_prompt, threads, common)), flush=True)  # [rows, summary]
 
 
 def llama_cpp_measure(path: Path, short: list[list[int]], long_prompt: list[int], threads: int, common) -> list:
+    """``[rows, summary line]`` of xllamacpp on the prompts (run in a child: :func:`llama_cpp_rows`)."""
     server = llama_server(path, threads)
     if server is None:
-        return []
+        return [[], "  llama.cpp: pip install xllamacpp (bench environment only); skipped"]
     import xllamacpp
 
     common = dict(common, engine=f"xllamacpp {getattr(xllamacpp, '__version__', '')}".strip())
@@ -248,10 +258,10 @@ def llama_cpp_measure(path: Path, short: list[list[int]], long_prompt: list[int]
                          params=dict(common, prompt_tokens=len(long_prompt), threads=threads,
                                      loadavg=os.getloadavg()[0],
                                      llama_prompt_per_second=out["timings"]["prompt_per_second"])))
-    print(f"  llama.cpp t={threads} batch=1 decode {made / walls[0][0]:7.1f} tok/s, 16 one after another "
-          f"{tokens / total:7.1f} tok/s, prefill {len(long_prompt) / wall:7.1f} tok/s", flush=True)
+    summary = (f"  llama.cpp t={threads} batch=1 decode {made / walls[0][0]:7.1f} tok/s, 16 one after another "
+               f"{tokens / total:7.1f} tok/s, prefill {len(long_prompt) / wall:7.1f} tok/s")
     del server
-    return rows
+    return [rows, summary]
 
 
 def rss_child(variant: str, path: Path, model_name: str) -> None:
@@ -280,13 +290,10 @@ def peak_rss_mib() -> float:
 def rss_rows(path: Path, model_name: str, variants: list[str], common) -> list:
     rows = []
     for variant in variants:
-        done = subprocess.run([sys.executable, __file__, "--model", model_name, "--rss-child", variant],
-                              capture_output=True, text=True, timeout=1800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            print(f"  rss {variant}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})", flush=True)
+        got = child_json([sys.executable, __file__, "--model", model_name, "--rss-child", variant], f"rss {variant}")
+        if got is None:
             continue
-        mib = json.loads(lines[-1])["peak_rss_mib"]
+        mib = got["peak_rss_mib"]
         rows.append(make_row("quant_weights", variant, "peak_rss", "MiB", mib, params=dict(common, rss="VmHWM")))
         print(f"  {variant:9s} peak RSS {mib:7.0f} MiB", flush=True)
     return rows

@@ -28,6 +28,8 @@ MAX_ROWS = 32
 #: packed format -> the kernel's ``fmt`` code
 FORMAT_CODES: dict[str, int] = {"int8": 0, "w4a16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q5_0": 5, "Q4_K": 6,
                                 "Q6_K": 7}
+#: the GGUF block formats: a row holds its own scales, so ``servelab_quant_rows`` decodes any row alone
+GGUF_CODES = frozenset(code for name, code in FORMAT_CODES.items() if name.startswith("Q"))
 _VERIFY = r"""
 import ctypes, struct, sys
 lib = ctypes.CDLL(sys.argv[1])

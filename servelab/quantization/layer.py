@@ -141,7 +141,7 @@ class QuantizedLinear(nn.Module):
         faster: it was a fifth of a 16-request run at 1 thread), others by the method; the float
         weight lives only for this call."""
         code = self.method.cpu_format
-        if code is not None and code >= cpu_kernels.FORMAT_CODES["Q8_0"] and cpu_kernels.library() is not None:
+        if code is not None and code in cpu_kernels.GGUF_CODES and cpu_kernels.library() is not None:
             blocks = self.tensors()["blocks"]
             return cpu_kernels.gather_rows(code, blocks, self.in_features, torch.arange(self.out_features))
         return self.method.dequantize(self.tensors(), self.in_features)
