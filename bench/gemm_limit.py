@@ -108,7 +108,7 @@ class AttentionClock:
     layer's ``reshape_and_cache`` and ``paged_attention``, or its ``carried_attend`` (the two
     in direct calls, on carried decode steps) — plans, gathers and the kernel included —, timed
     by wrapping those methods of the model's per-step attention view
-    (:class:`servelab.models.llama._StepAttention`) while the clock is on; a call made inside
+    (:class:`servelab.models.step_attention.StepAttention`) while the clock is on; a call made inside
     another (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on
     the timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
 
@@ -119,8 +119,8 @@ class AttentionClock:
     def __enter__(self) -> "AttentionClock":
         from servelab.models import llama
 
-        self.owner, self.originals = llama._StepAttention, {}
-        for name in ("reshape_and_cache", "paged_attention", "carried_attend"):
+        self.owner, self.originals = llama.StepAttention, {}
+        for name in ("reshape_and_cache", "paged_attention", "carried_attend", "quantized_attend"):
             original = self.originals[name] = getattr(self.owner, name)
 
             def timed(*args, _original=original, **kwargs):

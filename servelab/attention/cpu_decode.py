@@ -46,6 +46,7 @@ kernel saves.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -83,6 +84,14 @@ def library():
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     return _library()
+
+
+@functools.lru_cache(maxsize=256)
+def int64s(values: tuple[int, ...]) -> torch.Tensor:
+    """``values`` as an int64 tensor the kernels read (strides), made once per distinct tuple: a
+    layer's call passes the same strides as the last one, and ``torch.tensor`` was ~4 us of it.
+    Never written."""
+    return torch.tensor(values, dtype=torch.int64)
 
 
 class LibraryOnce:

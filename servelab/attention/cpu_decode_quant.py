@@ -20,11 +20,14 @@ dequantize-then-attend reference (:func:`servelab.reference.paged_attention` wit
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from servelab.attention import cpu_decode
+from servelab.attention import cpu_decode, ops
+from servelab.blocks import kv_quant
 
-__all__ = ["FORMATS", "paged_decode", "usable"]
+__all__ = ["FORMATS", "DecodeStep", "paged_decode", "usable"]
 
 #: storage dtype -> the kernel's format code
 FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
@@ -49,23 +52,111 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     scales float32 ``[N, B, Hk]`` (stride 0 for static ones); ``block_table`` int32 ``[S, max_blocks]``;
     ``seq_lens`` int32 ``[S]``. Returns float32 ``[S, Hq, D]``. Unchecked (the caller checked the
     step's arguments and :func:`usable`)."""
-    rows, num_q_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    lens = seq_lens.contiguous()
-    width = int(lens.max()) if rows else 0
-    out = torch.empty((rows, num_q_heads, head_size), dtype=torch.float32)
-    if rows == 0:
+    return DecodeStep(block_table, seq_lens, sliding_window).attend(query, key_cache, value_cache, k_scale, v_scale,
+                                                                    scale)
+
+
+class DecodeStep:
+    """What every layer's kernel call of one pure decode step shares, prepared once per step.
+
+    Made by the model's per-step attention (:class:`servelab.models.step_attention.StepAttention`)
+    from the step's ``block_table`` int32 ``[S, max_blocks]`` and ``seq_lens`` int32 ``[S]`` (one
+    query row per sequence, checked by the caller): the table and lengths as the kernel reads them,
+    the longest context, the scores workspace, and, per layout of the tensors a layer passes (dtypes,
+    shapes, strides), whether the kernel and the C int8 write take them and the stride arrays they
+    read. A layer is then the write and the kernel call: on SmolLM2's batch-16 decode step the
+    per-layer Python around them was ~60 us (the arguments rebuilt, the pure-decode check on the
+    query offsets, the backend's dispatch), a fifth of the attention's time at 2 threads.
+    """
+
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None) -> None:
+        self.table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+        self.lens = seq_lens.contiguous()
+        self.rows = self.lens.shape[0]
+        self.width = int(self.lens.max()) if self.rows else 0
+        self.window = int(sliding_window or 0)
+        self._layouts: dict[tuple, Any] = {}  # layout key -> _layout()'s answer
+        self._scores: torch.Tensor | None = None  # the kernel's workspace, reused by every layer
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+               v_scale: torch.Tensor, scale: float) -> torch.Tensor:
+        """:func:`paged_decode` of this step's rows (the caller checked :func:`usable`)."""
+        rows, num_q_heads, head_size = query.shape
+        num_kv_heads = key_cache.shape[2]
+        group = num_q_heads // num_kv_heads
+        out = torch.empty((rows, num_q_heads, head_size), dtype=torch.float32)
+        if rows == 0:
+            return out
+        scores = self._workspace(rows * num_kv_heads * group * self.width)
+        cache_strides = cpu_decode.int64s((*key_cache.stride()[:3], *value_cache.stride()[:3]))
+        scale_strides = cpu_decode.int64s((*k_scale.stride(), *v_scale.stride()))
+        code = _library().servelab_paged_decode_quant(
+            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides.data_ptr(),
+            k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(), self.table.data_ptr(),
+            self.table.stride(0), self.lens.data_ptr(), rows, num_kv_heads, group, head_size, key_cache.shape[1],
+            self.window, FORMATS[key_cache.dtype], float(scale), scores.data_ptr(), self.width, out.data_ptr(),
+            torch.get_num_threads())
+        if code != 0:
+            raise ValueError(f"servelab_paged_decode_quant refused head_size={head_size} / {key_cache.dtype}")
         return out
-    scores = torch.empty((rows * num_kv_heads, group, width), dtype=torch.float32)
-    cache_strides = torch.tensor([*key_cache.stride()[:3], *value_cache.stride()[:3]], dtype=torch.int64)
-    scale_strides = torch.tensor([*k_scale.stride(), *v_scale.stride()], dtype=torch.int64)
-    code = _library().servelab_paged_decode_quant(
-        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides.data_ptr(),
-        k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(), table.data_ptr(), table.stride(0),
-        lens.data_ptr(), rows, num_kv_heads, group, head_size, key_cache.shape[1], int(sliding_window or 0),
-        FORMATS[key_cache.dtype], float(scale), scores.data_ptr(), width, out.data_ptr(), torch.get_num_threads())
-    if code != 0:
-        raise ValueError(f"servelab_paged_decode_quant refused head_size={head_size} / {key_cache.dtype}")
-    return out
+
+    def write_and_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
+        """Write this step's ``key`` / ``value`` float32 ``[S, Hk, D]`` at ``slots`` int64 ``[S]`` (one
+        per row, none padding: the caller's prepared slots) and attend ``query`` float32 ``[S, Hq, D]``
+        over the pages, in two C calls; ``None`` (nothing written) when the kernel or the C int8
+        write does not take this layer's tensors (then the public ops do both). Float8 pages are
+        written by :func:`servelab.attention.ops.write_prepared` (torch), then attended here."""
+        layout_key = (query.dtype, query.shape, query.stride(), key.dtype, key.shape, key.stride(), value.dtype,
+                      value.stride(), key_cache.dtype, value_cache.dtype, key_cache.shape, key_cache.stride(),
+                      value_cache.stride(), k_scale.stride(), v_scale.stride(), query.device, key_cache.device)
+        layout: Any = self._layouts.get(layout_key, _UNSEEN)
+        if layout is _UNSEEN:
+            layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
+                                                              v_scale, slots)
+        if layout is None:
+            return None
+        if layout[0]:  # int8: the write and the kernel in one C call (the same bits as the two)
+            _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
+            rows = self.rows
+            out = torch.empty((rows, kv_heads * group, head_size), dtype=torch.float32)
+            scores = self._workspace(rows * kv_heads * group * self.width)
+            code = _library().servelab_write_decode_int8(
+                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
+                query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides,
+                k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
+                self.lens.data_ptr(), rows, kv_heads, group, head_size, block_size, self.window, scale,
+                scores.data_ptr(), self.width, out.data_ptr(), torch.get_num_threads())
+            if code != 0:
+                raise ValueError(f"servelab_write_decode_int8 refused head_size={head_size}")
+            return out
+        ops.write_prepared(key, value, key_cache, value_cache, slots, None, k_scale=k_scale, v_scale=v_scale)
+        return self.attend(query, key_cache, value_cache, k_scale, v_scale, scale)
+
+    def _layout(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                slots: torch.Tensor) -> tuple | None:
+        """What the int8 call reads beside the tensors (whether the C int8 write takes these, its static
+        flag, the stride arrays' addresses, the head counts and sizes), or ``None`` when the kernel
+        does not take them, its refusal of the head size included, or the rows are not the step's
+        (asked once per layout and step)."""
+        if not (usable(query, key_cache, value_cache) and query.shape[0] == self.rows == slots.shape[0]
+                and key.shape[0] == value.shape[0] == self.rows and slots.dtype is torch.int64):
+            return None
+        num_kv_heads = key_cache.shape[2]
+        cache_strides = cpu_decode.int64s((*key_cache.stride()[:3], *value_cache.stride()[:3]))
+        scale_strides = cpu_decode.int64s((*k_scale.stride(), *v_scale.stride()))
+        return (ops.int8_write_takes(key, value, key_cache, value_cache, slots, k_scale, v_scale),
+                int(kv_quant.is_static_scale(k_scale)), cache_strides.data_ptr(), scale_strides.data_ptr(),
+                num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2], key_cache.shape[1],
+                (cache_strides, scale_strides))  # held: the addresses stay theirs
+
+    def _workspace(self, numel: int) -> torch.Tensor:
+        scores = self._scores
+        if scores is None or scores.numel() < numel:
+            scores = self._scores = torch.empty(numel, dtype=torch.float32)
+        return scores
+
+
+_UNSEEN = object()

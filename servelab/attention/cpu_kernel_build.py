@@ -57,7 +57,7 @@ from servelab._internal.paths import kernel_cache_dir
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
                                                "decode_glue.c", "argmax.c", "decode_attention_quant.c"))
-ABI_VERSION = 13
+ABI_VERSION = 14
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -254,6 +254,13 @@ row = (ctypes.c_float * d)(*[float(j - 8) for j in range(d)])  # amax 8: scale 8
 lib.servelab_write_kv_int8(row, d, row, d, pages, pages, strides, scales, scales, scale_strides, 0,
                            (ctypes.c_int64 * 1)(5), 1, 1, d, bs)  # slot 5: block 1, offset 1
 assert pages[bs * d + d] == -127 and pages[bs * d + d + 15] == 111 and abs(scales[5] - 8 / 127) < 1e-7
+lib.servelab_write_decode_int8.argtypes = [P, I, P, I, P, I, P, I, P, P, P, P, P, P, P, I, P, I, I, I, I, I, I,
+                                           F, P, I, P, I]
+lib.servelab_write_decode_int8.restype = ctypes.c_int
+rc = lib.servelab_write_decode_int8(row, d, row, d, (ctypes.c_int64 * 1)(6), 0, q, 2 * d, pages, pages, strides, scales,
+                                    scales, scale_strides, (ctypes.c_int32 * 2)(1, 2), 2, (ctypes.c_int32 * 1)(7), 1, 1,
+                                    2, d, bs, 0, 1.0, s, 8, out, 2)  # slot 6 written, then 7 positions attended
+assert rc == 0 and pages[bs * d + 2 * d] == -127 and abs(scales[6] - 8 / 127) < 1e-7, (rc, pages[bs * d + 2 * d])
 print("ok")
 """
 
@@ -310,6 +317,9 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_paged_decode_quant.restype = ctypes.c_int
     lib.servelab_write_kv_int8.argtypes = [p, i, p, i, p, p, p, p, p, p, i, p, i, i, i, i]
     lib.servelab_write_kv_int8.restype = None
+    lib.servelab_write_decode_int8.argtypes = [p, i, p, i, p, i, p, i, p, p, p, p, p, p, p, i, p, i, i, i, i, i, i,
+                                               f, p, i, p, i]
+    lib.servelab_write_decode_int8.restype = ctypes.c_int
     return BuiltKernel(lib, path, key, flags, bool(lib.servelab_openmp()))
 
 

@@ -105,32 +105,39 @@ def _write_quantized(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Te
             _scatter_rows(scale, slots, row_scale)
 
 
-def _write_int8_in_c(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def int8_write_takes(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
-    """The int8 quantizing write in one C call (``servelab_write_kv_int8``: the same float32 operations
-    as :func:`kv_quant.quantize_rows` and the scatter, so the same bits) when it takes these: float32
-    CPU rows ``[n, Hk, D]`` with heads and dimensions contiguous, int8 pages with unit element
-    stride, int64 slots, both scales static or both in the pages. True when it wrote."""
+    """Whether ``servelab_write_kv_int8`` takes these: float32 CPU rows ``[n, Hk, D]`` with heads and
+    dimensions contiguous, int8 pages with unit element stride, contiguous int64 ``slots`` (at most
+    one per row), both scales static or both in the pages, and the library built."""
     n = slots.shape[0]
-    static = kv_quant.is_static_scale(k_scale)
     if not (key_cache.dtype is torch.int8 and value_cache.dtype is torch.int8 and key.dtype is torch.float32
             and value.dtype is torch.float32 and key.is_cpu and key_cache.is_cpu and slots.dtype is torch.int64
-            and slots.is_contiguous() and static == kv_quant.is_static_scale(v_scale) and n <= key.shape[0]
-            and n <= value.shape[0] and key_cache.stride(3) == 1 and value_cache.stride(3) == 1):
+            and slots.is_contiguous() and kv_quant.is_static_scale(k_scale) == kv_quant.is_static_scale(v_scale)
+            and n <= key.shape[0] and n <= value.shape[0] and key_cache.stride(3) == 1
+            and value_cache.stride(3) == 1):
         return False
     d = key.shape[2]
     for src in (key, value):
         if src.dim() != 3 or src.stride(2) != 1 or src.stride(1) != d:
             return False
-    lib = _library()
-    if lib is None:
+    return _library() is not None
+
+
+def _write_int8_in_c(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slots: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """The int8 quantizing write in one C call (``servelab_write_kv_int8``: the same float32 operations
+    as :func:`kv_quant.quantize_rows` and the scatter, so the same bits) when it takes these
+    (:func:`int8_write_takes`). True when it wrote."""
+    if not int8_write_takes(key, value, key_cache, value_cache, slots, k_scale, v_scale):
         return False
-    cache_strides = torch.tensor([*key_cache.stride()[:3], *value_cache.stride()[:3]], dtype=torch.int64)
-    scale_strides = torch.tensor([*k_scale.stride(), *v_scale.stride()], dtype=torch.int64)
-    lib.servelab_write_kv_int8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                               key_cache.data_ptr(), value_cache.data_ptr(), cache_strides.data_ptr(),
-                               k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(), int(static),
-                               slots.data_ptr(), n, key.shape[1], d, key_cache.shape[1])
+    cache_strides = cpu_decode.int64s((*key_cache.stride()[:3], *value_cache.stride()[:3]))
+    scale_strides = cpu_decode.int64s((*k_scale.stride(), *v_scale.stride()))
+    _library().servelab_write_kv_int8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                        key_cache.data_ptr(), value_cache.data_ptr(), cache_strides.data_ptr(),
+                                        k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(),
+                                        int(kv_quant.is_static_scale(k_scale)), slots.data_ptr(), slots.shape[0],
+                                        key.shape[1], key.shape[2], key_cache.shape[1])
     return True
 
 

@@ -38,7 +38,8 @@ from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RotaryEmbedding, apply_rotary
 from servelab.models.linear import Linear
 from servelab.models.layer_api import gate_up_slices, qkv_slices, set_output_slices
-from servelab.models.llama import LlamaForCausalLM, _StepAttention, layer_attentions
+from servelab.models.llama import LlamaForCausalLM
+from servelab.models.step_attention import StepAttention, layer_attentions
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
 
 
@@ -72,8 +73,8 @@ class GeGLUMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class SoftcapStepAttention(_StepAttention):
-    """:class:`~servelab.models.llama._StepAttention` that also passes ``softcap``.
+class SoftcapStepAttention(StepAttention):
+    """:class:`~servelab.models.step_attention.StepAttention` that also passes ``softcap``.
 
     Every layer goes through the public op (capability gate included), so a
     backend without soft-capping refuses on the first layer with its reason."""
@@ -131,7 +132,7 @@ class Gemma2Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias, **kw)
         set_output_slices(self.qkv_proj, qkv_slices(self.q_size, self.kv_size))  # HF's q/k/v_proj (layer_api)
 
-    def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, attention: StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -30,14 +30,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from servelab.attention import ops as attention_ops
-from servelab.attention.backends import AttentionBackend, SdpaAttentionBackend
 from servelab.models import cpu_rope, decode_glue
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.linear import Linear, PackedWeight, linear
 from servelab.models.layer_api import qkv_slices, set_output_slices
 from servelab.models.metadata import AttentionMetadata, GroupedAttentionMetadata
+from servelab.models.step_attention import StepAttention, layer_attentions
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -67,132 +66,8 @@ def resolve_attention(attention: Any = None, device: torch.device | str | None =
     return attention
 
 
-_UNKNOWN = object()  # _StepAttention._carried: not yet decided for this window
-
-
-class _StepAttention:
-    """Per-forward view of the attention ops: plans once per sliding window and
-    validates once per step, not once per layer.
-
-    For an :class:`~servelab.attention.backends.AttentionBackend` the first
-    layer goes through the public ops (capability gate, argument and value
-    checks); every later layer has the same shapes, dtypes and metadata, so it
-    calls the backend's implementation directly with ``check_inputs=False``
-    and the step's ``plan``. ``check_values=False`` (the model's
-    ``check_inputs=False``, as the pipeline sets it: its runner builds the
-    metadata) passes ``check_inputs=False`` to the first layer too, keeping
-    only the capability gate: the argument checks were ~20% of a small
-    model's decode step. Any other ops object (the reference module, a
-    researcher's object) is called with the reference signature every layer.
-    """
-
-    def __init__(self, ops: Any, metadata: AttentionMetadata, block_size: int, *, check_values: bool = True,
-                 chain: bool = False, previous_plans: dict[int | None, Any] | None = None) -> None:
-        self.ops, self.metadata, self.block_size = ops, metadata, block_size
-        self.check_values = check_values
-        self.is_backend = isinstance(ops, AttentionBackend)
-        self.chain, self.previous_plans = chain, previous_plans or {}
-        self.plans: dict[int | None, Any] = {}
-        self.checked_write = False
-        self.prepared_slots: tuple | None = None  # (int64 slots, kept rows) for the default writer
-        self.checked_read: set[int | None] = set()  # sliding windows whose first call was checked
-        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._carried: dict[int | None, Any] = {}  # sliding window -> DecodeKV or None (carried_attend)
-
-    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and the signed ``sin`` as ``[T, 1, D]`` for :func:`rotate`, built once per step
-        (every layer passes the same ``cos``/``sin`` ``[T, D]``) and reused by the later layers."""
-        cached = self._rope
-        if cached is None or cached[0] is not cos or cached[1] is not sin:
-            half = cos.shape[-1] // 2
-            signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-            cached = self._rope = (cos, sin, cos[:, None, :], signed[:, None, :])
-        return cached[2], cached[3]
-
-    def reshape_and_cache(self, key, value, key_cache, value_cache, k_scale=None, v_scale=None) -> None:
-        slots = self.metadata.slot_mapping
-        # A quantized cache's scales (servelab.blocks.kv_quant), passed only when there are some.
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        if not self.is_backend:
-            return self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, **scales)
-        if self.checked_write:
-            if self.prepared_slots is not None:  # the default writer: slots prepared once per step
-                return attention_ops.write_prepared(key, value, key_cache, value_cache, *self.prepared_slots,
-                                                    **scales)
-            return self.ops._reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=False,
-                                               **scales)
-        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, check_inputs=self.check_values,
-                                   **scales)
-        self.checked_write = True
-        if type(self.ops)._reshape_and_cache is AttentionBackend._reshape_and_cache and slots.shape[0]:
-            self.prepared_slots = attention_ops.prepare_slots(slots)
-
-    def carried_attend(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, *, scale: float, sliding_window: int | None) -> torch.Tensor | None:
-        """:meth:`reshape_and_cache` then :meth:`paged_attention` in two direct calls, for the layers
-        after the first of a pure decode step whose K/V the default backend carries: the write of
-        ``write_prepared`` and the kernel call of ``DecodeKV.attend_extending``, which is what the
-        two public calls reach on that step, without the backend's dispatch between them (~20 us
-        of a layer). Returns ``[T, Hq, D]``, or ``None`` (nothing written): take the public calls."""
-        decode_kv = self._carried.get(sliding_window, _UNKNOWN)
-        if decode_kv is _UNKNOWN:
-            if not (self.checked_write and sliding_window in self.checked_read):
-                return None  # the step's first layer: the public, checked calls
-            decode_kv = self._carried[sliding_window] = self._carried_plan(sliding_window)
-        slots = self.prepared_slots
-        if decode_kv is None or slots is None:
-            return None
-        attention_ops.write_prepared(key, value, key_cache, value_cache, *slots)
-        out = decode_kv.attend_extending(query, key_cache, value_cache, scale)
-        if out is None:  # written: attend the public way
-            return self.paged_attention(query, key_cache, value_cache, scale=scale, sliding_window=sliding_window)
-        return out
-
-    def _carried_plan(self, sliding_window: int | None) -> Any:
-        """The step's ``DecodeKV`` when :meth:`carried_attend` reaches exactly what the public calls
-        would: the default backend's own write and sdpa attention (not overridden), the default
-        writer's slots without padding rows, a plan whose every token is a carried decode row, no
-        token tree; else ``None``."""
-        ops = type(self.ops)
-        plan = self.plans.get(sliding_window)
-        if (type(self).reshape_and_cache is not _StepAttention.reshape_and_cache
-                or type(self).paged_attention is not _StepAttention.paged_attention
-                or not self.is_backend or ops._paged_attention is not SdpaAttentionBackend._paged_attention
-                or ops._reshape_and_cache is not AttentionBackend._reshape_and_cache
-                or self.prepared_slots is None or self.prepared_slots[1] is not None
-                or getattr(self.metadata, "tree_mask", None) is not None or plan is None or plan.tree):
-            return None
-        decode_kv = getattr(plan, "decode_kv", None)
-        return decode_kv if decode_kv is not None and plan.decode_tokens is None else None
-
-    def paged_attention(self, query, key_cache, value_cache, k_scale=None, v_scale=None, *, scale: float,
-                        sliding_window: int | None):
-        m = self.metadata
-        args = (query, key_cache, value_cache, m.block_table, m.seq_lens, m.query_start_loc)
-        tree = {} if getattr(m, "tree_mask", None) is None else {"tree_mask": m.tree_mask}  # token trees
-        # A quantized cache's scales go with it (never to plan()).
-        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        if not self.is_backend:
-            extra = {} if sliding_window is None else {"sliding_window": sliding_window}
-            return self.ops.paged_attention(*args, scale=scale, causal=True, **extra, **tree, **scales)
-        if sliding_window not in self.plans:
-            chaining = {"chain": True, "previous": self.previous_plans.get(sliding_window)} if self.chain else {}
-            self.plans[sliding_window] = self.ops.plan(m.block_table, m.seq_lens, m.query_start_loc,
-                                                       block_size=self.block_size, causal=True,
-                                                       sliding_window=sliding_window, **chaining, **tree)
-        plan = self.plans[sliding_window]
-        extra = {**tree, **scales} if plan is None else {"plan": plan, **tree, **scales}
-        if sliding_window not in self.checked_read:
-            self.checked_read.add(sliding_window)
-            return self.ops.paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
-                                            check_inputs=self.check_values, **extra)
-        return self.ops._paged_attention(*args, scale=scale, causal=True, sliding_window=sliding_window,
-                                         softcap=None, out=None, num_splits=None, return_lse=False,
-                                         check_inputs=False, **extra)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of ``x`` ``[T, heads, D]`` with the tables of :meth:`_StepAttention.rope_tables`.
+    """RoPE of ``x`` ``[T, heads, D]`` with the tables of :meth:`StepAttention.rope_tables`.
 
     Bit-identical to :func:`servelab.models.layers.apply_rotary` in four ops
     instead of nine: ``rotate_half(x) * sin`` is ``cat(-x2, x1) * cat(s1, s2)``,
@@ -216,14 +91,6 @@ def _cache_state(caches: list) -> tuple | None:
         return None
 
 
-def layer_attentions(make: Any, ops: Any, metadata: GroupedAttentionMetadata, *args: Any) -> list[Any]:
-    """Per model layer, the step attention of its KV-cache group: ``make(ops,
-    group_metadata, group_block_size, *args)`` once per group (so plans and
-    checks are still once per group and window), shared by the group's layers."""
-    steps = [make(ops, m, bs, *args) for m, bs in zip(metadata.groups, metadata.block_sizes)]
-    return [steps[g] for g in metadata.layer_groups]
-
-
 class LlamaAttention(nn.Module):
     """GQA self-attention of one layer: fused QKV projection, RoPE, paged cache, output projection."""
 
@@ -243,7 +110,7 @@ class LlamaAttention(nn.Module):
         set_output_slices(self.qkv_proj, qkv_slices(self.q_size, self.kv_size))  # HF's q/k/v_proj (layer_api)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attention: StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -257,16 +124,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               attention: _StepAttention) -> torch.Tensor:
+               attention: StepAttention) -> torch.Tensor:
         """Write ``k``, ``v`` ``[T, num_kv_heads, head_dim]`` into ``kv_cache``, then attend ``q``
         ``[T, num_heads, head_dim]`` over it -> ``[T, num_heads, head_dim]`` (also the glued layer's)."""
         kv_scales: list[torch.Tensor]  # (k_scale, v_scale) for a quantized cache, else empty
         key_cache, value_cache, *kv_scales = kv_cache
-        if not kv_scales:
+        if kv_scales:  # a decode step's later layers: the write and the C kernel in direct calls
+            out = attention.quantized_attend(k, v, q, key_cache, value_cache, *kv_scales, scale=self.scale,
+                                             sliding_window=self.sliding_window)
+        else:
             out = attention.carried_attend(k, v, q, key_cache, value_cache, scale=self.scale,
                                            sliding_window=self.sliding_window)
-            if out is not None:
-                return out
+        if out is not None:
+            return out
         # Write first: this step's queries attend to this step's keys too.
         attention.reshape_and_cache(k, v, key_cache, value_cache, *kv_scales)
         return attention.paged_attention(q, key_cache, value_cache, *kv_scales, scale=self.scale,
@@ -284,7 +154,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, x, cos, sin, kv_cache, attention: _StepAttention) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, attention: StepAttention) -> torch.Tensor:
         if not torch.is_grad_enabled():  # a decode step on a CPU: the same kernels, three C calls
             tables = attention.rope_tables(cos, sin)  # (models/decode_glue.py); built once per step
             glue = decode_glue.parts(self, x, tables, LlamaAttention)
@@ -410,17 +280,24 @@ class LlamaForCausalLM(nn.Module):
                                    dtype=x.dtype)
         if type(attn_metadata) is GroupedAttentionMetadata:  # several KV-cache groups: a view per layer
             for layer, kv_cache, attention in zip(self.model.layers, caches,
-                                                  layer_attentions(_StepAttention, self.attention, attn_metadata)):
+                                                  layer_attentions(StepAttention, self.attention, attn_metadata)):
                 x = layer(x, cos, sin, kv_cache, attention)
             return self.model.norm(x)
         ops = self.attention
         chain = "plan_chaining" in getattr(getattr(ops, "capabilities", None), "features", ())
         chain = chain and not (caches and len(caches[0]) > 2)  # no carried K/V over quantized pages
-        attention = _StepAttention(ops, attn_metadata, caches[0][0].shape[1] if caches else 1,
+        attention = StepAttention(ops, attn_metadata, caches[0][0].shape[1] if caches else 1,
                                    check_values=self.check_inputs, chain=chain,
                                    previous_plans=self._previous_plans(ops, caches) if chain else None)
-        for layer, kv_cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, kv_cache, attention)
+        glued = None if torch.is_grad_enabled() else decode_glue.step_parts(
+            self.model.layers, x, attention.rope_tables(cos, sin), LlamaDecoderLayer, LlamaAttention)
+        if glued is not None and len(glued) == len(caches):  # a decode step on a CPU: each layer's glue
+            tables = attention.rope_tables(cos, sin)
+            for glue, kv_cache in zip(glued, caches):
+                x = decode_glue.forward(glue, x, *tables, kv_cache, attention)
+        else:
+            for layer, kv_cache in zip(self.model.layers, caches):
+                x = layer(x, cos, sin, kv_cache, attention)
         if chain:
             state = _cache_state(caches)
             if state is not None:

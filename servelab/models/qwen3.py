@@ -17,7 +17,8 @@ import torch
 
 from servelab.models.config import ModelConfig, derived_config
 from servelab.models.layers import RMSNorm, apply_rotary
-from servelab.models.llama import LlamaAttention, LlamaForCausalLM, _StepAttention
+from servelab.models.llama import LlamaAttention, LlamaForCausalLM
+from servelab.models.step_attention import StepAttention
 
 
 class Qwen3Attention(LlamaAttention):
@@ -29,7 +30,7 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attention: _StepAttention) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attention: StepAttention) -> torch.Tensor:
         """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

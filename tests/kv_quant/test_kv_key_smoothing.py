@@ -99,8 +99,8 @@ def test_fold_matches_the_float64_smoothed_key_reference(tiny, fmt, monkeypatch)
     for layer, (k, got) in enumerate(zip(keys, _written_keys(caches, len(tokens)))):
         assert torch.allclose(got * factors[layer].double(), k, rtol=1e-4, atol=1e-4 * float(k.abs().max())), layer
     written = []  # each layer's key argument of the write, in this quantized forward
-    original = llama._StepAttention.reshape_and_cache
-    monkeypatch.setattr(llama._StepAttention, "reshape_and_cache",
+    original = llama.StepAttention.reshape_and_cache
+    monkeypatch.setattr(llama.StepAttention, "reshape_and_cache",
                         lambda self, key, *a: (written.append(key.detach().clone()), original(self, key, *a))[1])
     f = get_kv_cache_dtype(fmt)
     _, caches = _run(model, tokens, kv_dtype=f.storage_dtype)

@@ -16,7 +16,7 @@ def kernel(kernel_library):
 
 
 def tables(tokens, head_size, gen):
-    """cos and signed sin ``[T, 1, D]`` as ``_StepAttention.rope_tables`` makes them."""
+    """cos and signed sin ``[T, 1, D]`` as ``StepAttention.rope_tables`` makes them."""
     angles = torch.rand(tokens, head_size // 2, generator=gen, dtype=torch.float64) * 1e4
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().float(), angles.sin().float()

@@ -82,7 +82,7 @@ def decode_rows(model, rows: int = 2) -> torch.Tensor:
 
 
 def rope_tables(model, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's RoPE tables as ``_StepAttention.rope_tables`` makes them: ``[rows, 1, D]`` views."""
+    """A step's RoPE tables as ``StepAttention.rope_tables`` makes them: ``[rows, 1, D]`` views."""
     return tuple(torch.randn(rows, model.config.head_dim)[:, None, :] for _ in range(2))
 
 
@@ -209,3 +209,27 @@ def test_the_reused_temporaries_follow_inference_mode():
         torch.nn.functional.silu(outside[2][:, :8], inplace=True)  # what forward does
     with torch.inference_mode():
         assert all(a is b for a, b in zip(decode_glue._scratch(3, 8, 16), inside))  # still reused
+
+
+@pytest.mark.parametrize("case", ["layer_hook", "subclassed_layer"])
+def test_the_model_calls_a_layer_it_cannot_glue_as_a_module(model, monkeypatch, case):
+    """The model's loop calls every layer's glue directly (``decode_glue.step_parts``) only when all
+    of them glue and are exactly ``LlamaDecoderLayer``: a hook on one decoder layer sees every step,
+    and a subclass's own ``forward`` runs on every step."""
+    from servelab.models.llama import LlamaDecoderLayer
+
+    seen = []
+    layer = model.model.layers[1]
+    if case == "layer_hook":
+        layer.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    else:
+        class Mine(LlamaDecoderLayer):
+            def forward(self, *args):
+                seen.append(args[0].shape[0])
+                return super().forward(*args)
+
+        layer.__class__ = Mine
+    hidden, _, calls = run(model, [[5, 6, 7], [9] * 12], 4, glue=True, monkeypatch=monkeypatch)
+    assert seen == [15, 2, 2, 2]
+    # The other layer glued on every step; the subclass's forward glues itself (it calls the base's).
+    assert calls == 4 + (4 if case == "subclassed_layer" else 0)

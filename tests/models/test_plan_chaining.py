@@ -108,17 +108,17 @@ def test_swapping_the_backend_drops_the_carry(model):
 
 
 def _count_carried(monkeypatch) -> list:
-    """Record what every ``_StepAttention.carried_attend`` call returned (None: the public calls)."""
+    """Record what every ``StepAttention.carried_attend`` call returned (None: the public calls)."""
     from servelab.models import llama
 
-    taken, real = [], llama._StepAttention.carried_attend
+    taken, real = [], llama.StepAttention.carried_attend
 
     def counted(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(llama._StepAttention, "carried_attend", counted)
+    monkeypatch.setattr(llama.StepAttention, "carried_attend", counted)
     return taken
 
 
@@ -158,7 +158,7 @@ def test_the_direct_carried_calls_equal_the_public_ones(model, monkeypatch):
     assert per_step == [[False] + [True] * (layers - 1)] * 5
     assert sum(extending) >= 4 * (layers - 1)  # the steps after the first extend their buffers
     model.reset_attention_state()
-    monkeypatch.setattr(llama._StepAttention, "carried_attend", lambda self, *a, **k: None)
+    monkeypatch.setattr(llama.StepAttention, "carried_attend", lambda self, *a, **k: None)
     runner, last = prefill(model)
     public = decode(runner, last, 5)
     for a, b in zip(direct, public):

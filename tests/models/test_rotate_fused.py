@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from servelab.models import AttentionMetadata
 from servelab.models.layers import apply_rotary
-from servelab.models.llama import _StepAttention, rotate
+from servelab.models.llama import StepAttention, rotate
 
 
 @settings(max_examples=30, deadline=None)
@@ -21,7 +21,7 @@ def test_rotate_bit_identical(tokens, heads, half, seed, dtype):
     angles = torch.randn(tokens, dim, generator=gen) * 100
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     empty = torch.zeros(0, dtype=torch.int32)
-    step = _StepAttention(object(), AttentionMetadata(empty.long(), empty[:, None], empty, empty), 1)
+    step = StepAttention(object(), AttentionMetadata(empty.long(), empty[:, None], empty, empty), 1)
     got = rotate(x, *step.rope_tables(cos, sin))
     assert got.dtype == x.dtype
     assert torch.equal(got, apply_rotary(x, cos, sin))

@@ -486,3 +486,24 @@ void servelab_write_kv_int8(const float* key, int64_t key_row_stride, const floa
         }
     }
 }
+
+/* One layer of a pure decode step over int8 pages in one call: this step's rows written
+ * (servelab_write_kv_int8), then attended (servelab_paged_decode_quant), the same operations in the
+ * same order as the two calls, so the same bits. The model's direct path
+ * (servelab.attention.cpu_decode_quant.DecodeStep) calls it for every layer after the first; one
+ * foreign call instead of two, from Python whose objects the layer's weights have just evicted. */
+int servelab_write_decode_int8(const float* key, int64_t key_row_stride, const float* value, int64_t value_row_stride,
+                               const int64_t* slots, int64_t static_scales, const float* q, int64_t q_row_stride,
+                               int8_t* k_cache, int8_t* v_cache, const int64_t* cache_strides, float* k_scale,
+                               float* v_scale, const int64_t* scale_strides, const int32_t* block_table,
+                               int64_t table_stride, const int32_t* seq_lens, int64_t rows, int64_t kv_heads,
+                               int64_t group, int64_t head_size, int64_t block_size, int64_t window, float scale,
+                               float* scores, int64_t width, float* out, int64_t num_threads) {
+    if (head_size > MAX_HEAD_SIZE) return -1;
+    servelab_write_kv_int8(key, key_row_stride, value, value_row_stride, k_cache, v_cache, cache_strides, k_scale,
+                           v_scale, scale_strides, static_scales, slots, rows, kv_heads, head_size, block_size);
+    return servelab_paged_decode_quant(q, q_row_stride, (const uint8_t*)k_cache, (const uint8_t*)v_cache,
+                                       cache_strides, k_scale, v_scale, scale_strides, block_table, table_stride,
+                                       seq_lens, rows, kv_heads, group, head_size, block_size, window, 1, scale,
+                                       scores, width, out, num_threads);
+}

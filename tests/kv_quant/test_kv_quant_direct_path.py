@@ -1,0 +1,132 @@
+"""The direct decode path over quantized pages equals the public calls, bit for bit.
+
+On a pure decode step over int8 / float8 pages with the ``"sdpa"`` backend, every layer after the
+first writes and attends through ``StepAttention.quantized_attend`` (one C call for int8: the
+write and the kernel). These tests hold it to the public ``reshape_and_cache`` +
+``paged_attention`` calls it replaces: the logits and every written page and scale must be equal,
+it must be taken exactly where documented, and it must decline (writing nothing) elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelab.attention import cpu_decode_quant
+from servelab.models import allocate_kv_caches, build_tiny_model, load_model, prepare_inputs
+from servelab.models.step_attention import StepAttention
+
+pytestmark = pytest.mark.skipif(cpu_decode_quant._library() is None, reason="the C CPU kernels are not built")
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("direct"), arch="llama", seed=5, hidden_size=96,
+                            intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=6,
+                            num_key_value_heads=2, head_dim=16)
+    model, _ = load_model(path)
+    model.attention = "sdpa"
+    return model
+
+
+class Runner:
+    """Prompts, then greedy decode steps, over quantized pages (a fixed block assignment)."""
+
+    def __init__(self, model, dtype: str, kv_scale: str, block_size: int = 4) -> None:
+        self.model, self.block_size = model, block_size
+        self.caches = allocate_kv_caches(model, 64, block_size, dtype=dtype, kv_scale=kv_scale)
+        self.caches.buffer.zero_()
+        self.tables = {0: [3, 9, 4, 20, 7], 1: [11, 2, 30, 5, 6], 2: [40, 41, 1, 12, 13]}
+        self.computed = {0: 0, 1: 0, 2: 0}
+
+    @torch.no_grad()
+    def step(self, work: dict[int, list[int]]) -> torch.Tensor:
+        seqs = list(work)
+        ids, pos, meta = prepare_inputs([work[s] for s in seqs], [self.computed[s] for s in seqs],
+                                        [self.tables[s] for s in seqs], self.block_size)
+        logits = self.model.compute_logits(self.model(ids, pos, self.caches, meta))
+        for s in seqs:
+            self.computed[s] += len(work[s])
+        return logits
+
+    def run(self, decode_steps: int) -> list[torch.Tensor]:
+        prompts = {0: [5, 9, 2, 7, 1, 8], 1: [3, 3, 4], 2: [11, 12, 13, 14, 15, 16, 17]}
+        logits = self.step(prompts)
+        ends = torch.tensor([len(p) for p in prompts.values()]).cumsum(0) - 1
+        last = logits[ends].argmax(-1).tolist()
+        out = [logits[ends]]
+        for _ in range(decode_steps):
+            logits = self.step({s: [t] for s, t in zip(prompts, last)})
+            last = logits.argmax(-1).tolist()
+            out.append(logits)
+        return out
+
+
+def _record(monkeypatch) -> list[bool]:
+    """Whether every ``quantized_attend`` call attended (True) or declined (False)."""
+    taken, real = [], StepAttention.quantized_attend
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(StepAttention, "quantized_attend", counted)
+    return taken
+
+
+@pytest.mark.parametrize("dtype, kv_scale", [("int8", "token_head"), ("int8", "tensor"), ("fp8_e4m3", "token_head"),
+                                             ("fp8_e5m2", "head")])
+def test_the_direct_calls_equal_the_public_ones(model, monkeypatch, dtype, kv_scale):
+    taken = _record(monkeypatch)
+    direct = Runner(model, dtype, kv_scale)
+    direct_logits = direct.run(4)
+    # The prompt step: every layer declines (not a decode step). Each decode step: the first layer
+    # takes the public, checked calls (quantized_attend declines before they run), the others the
+    # direct path.
+    assert taken == [False] * LAYERS + ([False] + [True] * (LAYERS - 1)) * 4
+    monkeypatch.setattr(StepAttention, "quantized_attend", lambda self, *a, **k: None)
+    public = Runner(model, dtype, kv_scale)
+    public_logits = public.run(4)
+    for a, b in zip(direct_logits, public_logits):
+        assert torch.equal(a, b)
+    assert torch.equal(direct.caches.buffer, public.caches.buffer)  # pages and scales, every byte
+
+
+def test_a_mixed_step_and_an_overriding_view_decline(model, monkeypatch):
+    """A step with a prompt row is not a pure decode step; a subclass overriding ``paged_attention``
+    (as Gemma 2's softcap view does) keeps its own calls."""
+    taken = _record(monkeypatch)
+    runner = Runner(model, "int8", "token_head")
+    runner.step({0: [5, 9, 2], 1: [3, 3]})
+    runner.step({0: [4], 1: [6], 2: [1, 2, 3]})  # two decode rows and a prompt
+    assert taken and not any(taken)
+
+    class Overriding(StepAttention):
+        calls = 0
+
+        def paged_attention(self, *args, **kwargs):
+            Overriding.calls += 1
+            return super().paged_attention(*args, **kwargs)
+
+    from servelab.models import llama
+
+    monkeypatch.setattr(llama, "StepAttention", Overriding)
+    taken.clear()
+    runner.step({0: [4], 1: [6]})
+    assert Overriding.calls == LAYERS and not any(taken)
+
+
+def test_a_layout_the_kernel_refuses_writes_nothing():
+    """``write_and_attend`` returns ``None`` before writing when the kernel does not take the
+    tensors (here a float64 query): the caller's public calls then do the write once."""
+    caches = torch.zeros(4, 4, 2, 16, dtype=torch.int8)
+    scales = torch.ones(4, 4, 2)
+    step = cpu_decode_quant.DecodeStep(torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                       None)
+    rows = torch.randn(1, 2, 16)
+    got = step.write_and_attend(rows, rows, torch.randn(1, 4, 16, dtype=torch.float64), caches, caches.clone(),
+                                scales, scales.clone(), torch.tensor([6]), 0.25)
+    assert got is None and not caches.any() and bool((scales == 1).all())
