@@ -105,11 +105,12 @@ def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
 
 class AttentionClock:
     """Seconds spent inside the model's attention ops during ``Pipeline.step()``s: every
-    layer's ``reshape_and_cache`` and ``paged_attention``, or its ``carried_attend`` (the two
-    in direct calls, on carried decode steps) — plans, gathers and the kernel included —, timed
-    by wrapping those methods of the model's per-step attention view
-    (:class:`servelab.models.step_attention.StepAttention`) while the clock is on; a call made inside
-    another (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on
+    layer's ``reshape_and_cache`` and ``paged_attention``, or its ``carried_attend`` /
+    ``quantized_attend`` (the two in direct calls, on decode steps) — plans, gathers and the kernel
+    included —, timed by wrapping those methods of the model's per-step attention view
+    (:class:`servelab.models.step_attention.StepAttention`) and the one C call of int8 pages'
+    prepared layers (:mod:`servelab.models.quantized_decode_layers`) while the clock is on; a call
+    made inside another (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on
     the timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
 
     def __init__(self) -> None:
@@ -117,7 +118,7 @@ class AttentionClock:
         self.depth = 0
 
     def __enter__(self) -> "AttentionClock":
-        from servelab.models import llama
+        from servelab.models import decode_glue, llama
 
         self.owner, self.originals = llama.StepAttention, {}
         for name in ("reshape_and_cache", "paged_attention", "carried_attend", "quantized_attend"):
@@ -134,9 +135,28 @@ class AttentionClock:
                         self.spent += time.perf_counter() - start
 
             setattr(self.owner, name, timed)
+        # Over int8 pages the later layers' write and attention are one C call each, made from
+        # prepared arguments (servelab.models.quantized_decode_layers): timed on the library itself.
+        self.library = decode_glue._library()
+        if self.library is not None and hasattr(self.library, "servelab_write_decode_int8"):
+            call = self.library.servelab_write_decode_int8
+
+            def timed_call(*args, _call=call):
+                start = time.perf_counter()
+                try:
+                    return _call(*args)
+                finally:
+                    if not self.depth:
+                        self.spent += time.perf_counter() - start
+
+            self.library.servelab_write_decode_int8 = timed_call
+            self.originals["library call"] = call
         return self
 
     def __exit__(self, *exc) -> None:
+        call = self.originals.pop("library call", None)
+        if call is not None:  # the bound function itself (a fresh lookup would lack its argtypes)
+            self.library.servelab_write_decode_int8 = call
         for name, original in self.originals.items():
             setattr(self.owner, name, original)
 

@@ -77,6 +77,7 @@ class DecodeStep:
         self.window = int(sliding_window or 0)
         self._layouts: dict[tuple, Any] = {}  # layout key -> _layout()'s answer
         self._scores: torch.Tensor | None = None  # the kernel's workspace, reused by every layer
+        self._retired: list[torch.Tensor] = []  # outgrown workspaces (see _workspace)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
                v_scale: torch.Tensor, scale: float) -> torch.Tensor:
@@ -108,9 +109,7 @@ class DecodeStep:
         over the pages, in two C calls; ``None`` (nothing written) when the kernel or the C int8
         write does not take this layer's tensors (then the public ops do both). Float8 pages are
         written by :func:`servelab.attention.ops.write_prepared` (torch), then attended here."""
-        layout_key = (query.dtype, query.shape, query.stride(), key.dtype, key.shape, key.stride(), value.dtype,
-                      value.stride(), key_cache.dtype, value_cache.dtype, key_cache.shape, key_cache.stride(),
-                      value_cache.stride(), k_scale.stride(), v_scale.stride(), query.device, key_cache.device)
+        layout_key = self._layout_key(key, value, query, key_cache, value_cache, k_scale, v_scale)
         layout: Any = self._layouts.get(layout_key, _UNSEEN)
         if layout is _UNSEEN:
             layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
@@ -134,6 +133,36 @@ class DecodeStep:
         ops.write_prepared(key, value, key_cache, value_cache, slots, None, k_scale=k_scale, v_scale=v_scale)
         return self.attend(query, key_cache, value_cache, k_scale, v_scale, scale)
 
+    def int8_call(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor,
+                  scale: float, out: torch.Tensor) -> tuple | None:
+        """The arguments of the one C call :meth:`write_and_attend` makes on int8 pages for these
+        tensors, its output written into ``out`` float32 ``[S, Hq, D]`` (contiguous), or ``None``
+        when it would not make that call. For a caller that makes the call later, with these
+        tensors alive and unchanged (:mod:`servelab.models.quantized_decode_layers`)."""
+        layout_key = self._layout_key(key, value, query, key_cache, value_cache, k_scale, v_scale)
+        layout: Any = self._layouts.get(layout_key, _UNSEEN)
+        if layout is _UNSEEN:
+            layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
+                                                              v_scale, slots)
+        if layout is None or not layout[0] or not (out.is_contiguous() and out.shape == query.shape
+                                                   and out.dtype == torch.float32):
+            return None
+        _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
+        scores = self._workspace(self.rows * kv_heads * group * self.width)
+        return (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
+                query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides,
+                k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
+                self.lens.data_ptr(), self.rows, kv_heads, group, head_size, block_size, self.window, float(scale),
+                scores.data_ptr(), self.width, out.data_ptr(), torch.get_num_threads())
+
+    @staticmethod
+    def _layout_key(key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple:
+        return (query.dtype, query.shape, query.stride(), key.dtype, key.shape, key.stride(), value.dtype,
+                value.stride(), key_cache.dtype, value_cache.dtype, key_cache.shape, key_cache.stride(),
+                value_cache.stride(), k_scale.stride(), v_scale.stride(), query.device, key_cache.device)
+
     def _layout(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                 slots: torch.Tensor) -> tuple | None:
@@ -153,8 +182,12 @@ class DecodeStep:
                 (cache_strides, scale_strides))  # held: the addresses stay theirs
 
     def _workspace(self, numel: int) -> torch.Tensor:
+        """The scores workspace, grown when a call needs more; a grown one's predecessor is kept
+        while this step lives (an :meth:`int8_call` made earlier holds its address)."""
         scores = self._scores
         if scores is None or scores.numel() < numel:
+            if scores is not None:
+                self._retired.append(scores)
             scores = self._scores = torch.empty(numel, dtype=torch.float32)
         return scores
 

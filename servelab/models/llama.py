@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from servelab.models import cpu_rope, decode_glue
+from servelab.models import cpu_rope, decode_glue, quantized_decode_layers
 from servelab.models.config import ModelConfig
 from servelab.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from servelab.models.linear import Linear, PackedWeight, linear
@@ -293,8 +293,14 @@ class LlamaForCausalLM(nn.Module):
             self.model.layers, x, attention.rope_tables(cos, sin), LlamaDecoderLayer, LlamaAttention)
         if glued is not None and len(glued) == len(caches):  # a decode step on a CPU: each layer's glue
             tables = attention.rope_tables(cos, sin)
-            for glue, kv_cache in zip(glued, caches):
-                x = decode_glue.forward(glue, x, *tables, kv_cache, attention)
+            x = decode_glue.forward(glued[0], x, *tables, caches[0], attention)
+            # Over int8 pages, the later layers' calls prepared at once (quantized_decode_layers).
+            direct = quantized_decode_layers.prepare(glued[1:], x, tables, caches[1:], attention)
+            if direct is not None:
+                x = direct.run()
+            else:
+                for glue, kv_cache in zip(glued[1:], caches[1:]):
+                    x = decode_glue.forward(glue, x, *tables, kv_cache, attention)
         else:
             for layer, kv_cache in zip(self.model.layers, caches):
                 x = layer(x, cos, sin, kv_cache, attention)

@@ -129,15 +129,23 @@ class StepAttention:
         reach on that step (the C int8 write, or the torch write for float8, then the C kernel),
         without the per-layer dispatch, plan checks and argument rebuilding between them. Returns
         ``[T, Hq, D]``, or ``None`` (nothing written): take the public calls."""
+        step = self.quantized_decode_step(sliding_window)
+        slots = self.prepared_slots
+        if step is None or slots is None:
+            return None
+        return step.write_and_attend(key, value, query, key_cache, value_cache, k_scale, v_scale, slots[0], scale)
+
+    def quantized_decode_step(self, sliding_window: int | None) -> Any:
+        """The :class:`~servelab.attention.cpu_decode_quant.DecodeStep` the later layers' direct calls
+        use for this window (:meth:`quantized_attend`; also
+        :mod:`servelab.models.quantized_decode_layers`), once the step's first layer took the public,
+        checked calls; else ``None``. Its rows' slots: ``prepared_slots[0]``."""
         step = self._quantized.get(sliding_window, _UNKNOWN)
         if step is _UNKNOWN:
             if not (self.checked_write and sliding_window in self.checked_read):
                 return None  # the step's first layer: the public, checked calls
             step = self._quantized[sliding_window] = self._quantized_step(sliding_window)
-        slots = self.prepared_slots
-        if step is None or slots is None:
-            return None
-        return step.write_and_attend(key, value, query, key_cache, value_cache, k_scale, v_scale, slots[0], scale)
+        return step
 
     def _quantized_step(self, sliding_window: int | None) -> Any:
         """The step's :class:`~servelab.attention.cpu_decode_quant.DecodeStep` when

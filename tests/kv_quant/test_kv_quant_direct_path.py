@@ -77,22 +77,56 @@ def _record(monkeypatch) -> list[bool]:
     return taken
 
 
+def _record_prepared(monkeypatch) -> list[bool]:
+    """Whether every ``quantized_decode_layers.prepare`` call gave prepared layers."""
+    from servelab.models import quantized_decode_layers
+
+    taken, real = [], quantized_decode_layers.prepare
+
+    def counted(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(quantized_decode_layers, "prepare", counted)
+    return taken
+
+
+@pytest.fixture
+def glued(monkeypatch):
+    """The decode glue on (the panel GEMM preferred, as on an AVX-512 machine)."""
+    from servelab.models import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+
+
 @pytest.mark.parametrize("dtype, kv_scale", [("int8", "token_head"), ("int8", "tensor"), ("fp8_e4m3", "token_head"),
                                              ("fp8_e5m2", "head")])
-def test_the_direct_calls_equal_the_public_ones(model, monkeypatch, dtype, kv_scale):
+def test_the_direct_calls_equal_the_public_ones(model, monkeypatch, glued, dtype, kv_scale):
+    """Three runs of the same steps: the prepared layers (int8 only), each layer's
+    ``quantized_attend``, and the public calls alone; the logits and the pages' every byte agree."""
+    from servelab.models import quantized_decode_layers
+
+    prepared = _record_prepared(monkeypatch)
+    runs = [Runner(model, dtype, kv_scale)]
+    logits = [runs[0].run(4)]
+    # The prompt step (16 rows: glued too) declines; each decode step prepares its later layers
+    # (int8), or declines (float8: no one-call path).
+    assert prepared == [False] + [dtype == "int8"] * 4
+    monkeypatch.setattr(quantized_decode_layers, "prepare", lambda *a: None)
     taken = _record(monkeypatch)
-    direct = Runner(model, dtype, kv_scale)
-    direct_logits = direct.run(4)
-    # The prompt step: every layer declines (not a decode step). Each decode step: the first layer
-    # takes the public, checked calls (quantized_attend declines before they run), the others the
-    # direct path.
+    runs.append(Runner(model, dtype, kv_scale))
+    logits.append(runs[1].run(4))
+    # Each decode step: the first layer takes the public, checked calls (quantized_attend declines
+    # before they run), the others the direct path.
     assert taken == [False] * LAYERS + ([False] + [True] * (LAYERS - 1)) * 4
     monkeypatch.setattr(StepAttention, "quantized_attend", lambda self, *a, **k: None)
-    public = Runner(model, dtype, kv_scale)
-    public_logits = public.run(4)
-    for a, b in zip(direct_logits, public_logits):
-        assert torch.equal(a, b)
-    assert torch.equal(direct.caches.buffer, public.caches.buffer)  # pages and scales, every byte
+    runs.append(Runner(model, dtype, kv_scale))
+    logits.append(runs[2].run(4))
+    for run in (0, 1):
+        for a, b in zip(logits[run], logits[2]):
+            assert torch.equal(a, b), run
+        assert torch.equal(runs[run].caches.buffer, runs[2].caches.buffer), run  # pages and scales
 
 
 def test_a_mixed_step_and_an_overriding_view_decline(model, monkeypatch):
