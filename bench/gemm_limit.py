@@ -13,6 +13,11 @@ on the ``B`` sampled rows), a ``[B, in]`` activation in a loop, nothing else:
   :mod:`servelab.models.linear`). ``step / GEMM`` (``step_over_gemm``) is the
   pipeline's "fraction of the physical limit": 1.0 would mean attention,
   norms, RoPE, scheduling, sampling and bookkeeping cost nothing.
+- ``c_gemm_only_step``: the model's kernel (the panel GEMM, where it runs) called straight from
+  C-call arguments prepared once (:func:`c_gemm_only`): the GEMMs with no Python between them,
+  the tighter yardstick. ``gemm_only_step`` calls each layer's ``forward`` in a Python loop, so it
+  includes ~120 module calls whose Python, like the step's, runs right after a weight stream evicted
+  it; ``step_over_c_gemm`` is the step against the GEMMs alone;
 - ``matmul_only_step``: ``torch.matmul`` on the dense weights, the GEMM a
   plain PyTorch model runs (and this benchmark's yardstick before weights
   were packed); ``step_over_matmul`` is the step against it.
@@ -85,6 +90,8 @@ def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         layers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if kernel == "c":
+        return c_gemm_only(model, layers, batch, steps)
     if kernel == "model":
         calls = [(layer.in_features, layer) for layer in layers]
         calls.append((model.lm_head_weight.shape[1], model.lm_head_gemm))
@@ -100,6 +107,41 @@ def gemm_only(model, batch: int, steps: int, kernel: str) -> list[float]:
             for width, call in calls:
                 call(inputs[width])
             times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def c_gemm_only(model, layers: list, batch: int, steps: int) -> list[float]:
+    """Seconds per step of the same GEMMs as ``gemm_only(kernel="model")`` made straight from C
+    calls with prepared arguments (the panel kernel on each layer's packed panels and the LM
+    head's): the GEMMs with no Python between them, as the glued layers make them. Empty when the
+    panel kernel does not run on this machine (then the model's GEMMs are oneDNN's)."""
+    from servelab.models import cpu_gemm, decode_glue
+    from servelab.models.linear import PackedWeight, weight_panels
+
+    lib = decode_glue._library()
+    if lib is None or not cpu_gemm.preferred():
+        return []
+    threads = torch.get_num_threads()
+    head = PackedWeight()
+    weights = [(layer.weight, layer.bias, layer._packed_weight()) for layer in layers]
+    weights.append((model.lm_head_weight, None, head))
+    held, calls = [], []
+    for weight, bias, cache in weights:
+        panels = weight_panels(weight, bias, cache)
+        if panels is None:
+            return []
+        out_features, in_features = weight.shape
+        x, out = torch.randn(batch, in_features), torch.empty(batch, out_features)
+        held += [panels, x, out]
+        calls.append((x.data_ptr(), in_features, panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                      out.data_ptr(), batch, in_features, out_features, threads))
+    gemm = lib.servelab_panel_gemm
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        for args in calls:
+            gemm(*args)
+        times.append(time.perf_counter() - start)
     return times[2:]
 
 
@@ -232,7 +274,8 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     per GEMM-only step, measured in alternating rounds of ``steps`` each (a shared machine's
     speed drifts over seconds; interleaving gives both, and every thread count, the same
     conditions); with them, per round, the attention clock's share, the K/V read floor and
-    bandwidth, and the kernel's cold and warm times (:func:`kernel_cold_and_warm`): eight lists."""
+    bandwidth, the kernel's cold and warm times (:func:`kernel_cold_and_warm`), and the C-only GEMM
+    times (:func:`c_gemm_only`): nine lists."""
     from servelab.samplers import SamplingParams
 
     max_tokens = rounds * (steps + KERNEL_STEPS) * len(threads) + 8
@@ -242,11 +285,11 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or scheduler.waiting:
         pipe.step()
     pipe.step()  # first step with every request decoding (warm caches)
-    out: dict[int, tuple[list[float], ...]] = {t: ([], [], [], [], [], [], [], []) for t in threads}
+    out: dict[int, tuple[list[float], ...]] = {t: ([], [], [], [], [], [], [], [], []) for t in threads}
     for _ in range(rounds):
         for t in threads:
             torch.set_num_threads(t)
-            times, gemms, matmuls, attention, floors, bandwidths, cold, warm = out[t]
+            times, gemms, matmuls, attention, floors, bandwidths, cold, warm, c_gemms = out[t]
             with AttentionClock() as clock:
                 for _ in range(steps):
                     clock.spent = 0.0
@@ -256,6 +299,7 @@ def decode_and_gemm(pipe, model, prompts: list[list[int]], steps: int, rounds: i
                     attention.append(clock.spent)
             gemms += gemm_only(model, len(prompts), steps, "model")
             matmuls += gemm_only(model, len(prompts), steps, "matmul")
+            c_gemms += gemm_only(model, len(prompts), steps, "c")
             kv_bytes = kv_bytes_per_step(pipe, model)
             bandwidths.append(read_bandwidth(kv_bytes))
             floors.append(kv_bytes / bandwidths[-1])
@@ -276,13 +320,18 @@ def report_row(batch: int, threads: int, timed: tuple[list[float], ...]) -> list
     cold, warm = (statistics.median(v) if v else float("nan") for v in timed[6:8])
     ratio, matmul_ratio, floor_ratio = step[1] / gemm[1], step[1] / matmul[1], (gemm[1] + floor) / gemm[1]
     rest = step[1] - gemm[1] - attention[1]
+    c_gemm = percentiles(timed[8]) if timed[8] else (float("nan"),) * 3
     print(f"| {batch} | {threads} | {'/'.join(f'{1e3 * x:.1f}' for x in step)} | "
           f"{'/'.join(f'{1e3 * x:.1f}' for x in gemm)} | {ratio:.2f} | "
+          f"{'/'.join(f'{1e3 * x:.1f}' for x in c_gemm)} | {step[1] / c_gemm[1]:.2f} | "
           f"{'/'.join(f'{1e3 * x:.1f}' for x in matmul)} | {matmul_ratio:.2f} | {1e3 * attention[1]:.1f} | "
           f"{1e3 * floor:.1f} ({bandwidth / 1e9:.1f} GB/s) | {floor_ratio:.3f} | {1e3 * cold:.1f} / {1e3 * warm:.1f} | "
           f"{1e3 * rest:.1f} |", flush=True)
     kernel = [("attention_kernel_cold", "ms", 1e3 * cold, None),
               ("attention_kernel_warm", "ms", 1e3 * warm, None)] if timed[6] else []
+    if timed[8]:
+        kernel += [("c_gemm_only_step", "ms", 1e3 * c_gemm[1], [1e3 * g for g in c_gemm]),
+                   ("step_over_c_gemm", "ratio", step[1] / c_gemm[1], None)]
     return kernel + [
         ("decode_step", "ms", 1e3 * step[1], [1e3 * s for s in step]),
         ("gemm_only_step", "ms", 1e3 * gemm[1], [1e3 * g for g in gemm]),
@@ -341,9 +390,9 @@ def main() -> int:
     lines = []
     print(f"model {model_name}, backend {args.backend}, threads {threads}, context {args.context}\n")
     print("| batch | threads | decode step ms (p20/p50/p80) | GEMM-only ms, model's kernel (p20/p50/p80) | "
-          "step / GEMM | torch.matmul-only ms | step / matmul | attention in step ms | its K/V read floor ms "
+          "step / GEMM | C-only GEMM ms (p20/p50/p80) | step / C GEMM | torch.matmul-only ms | step / matmul | attention in step ms | its K/V read floor ms "
           "| (GEMM + floor) / GEMM | attention kernel ms, cold / warm | rest of step ms |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in batches:
         prompts = workload(batch, args.context, args.context, min(config.vocab_size, 500), seed=batch)
         timed = decode_and_gemm(pipe, model, prompts, args.steps, args.rounds, threads)

@@ -118,6 +118,26 @@ typedef uint32_t vu32 __attribute__((vector_size(64)));
 static inline vf bits_to_vf(vu32 x) { vf f; memcpy(&f, &x, sizeof(f)); return f; }
 static inline vu32 vf_to_bits(vf x) { vu32 u; memcpy(&u, &x, sizeof(u)); return u; }
 
+#ifdef __AVX512F__
+/* exp_nonpositive on 16 lanes: the same operations in the same order (rounding to nearest even, the
+ * same polynomial, the exponent built from the integer n). */
+static inline vf exp_nonpositive16(vf x) {
+    const vu32 low = (vu32)(x < vsplat(-87.0f));
+    x = bits_to_vf((vf_to_bits(vsplat(-87.0f)) & low) | (vf_to_bits(x) & ~low));
+    const vf n = (vf)_mm512_roundscale_ps((__m512)(x * vsplat(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf r = (x - n * vsplat(0.693359375f)) - n * vsplat(-2.12194440e-4f);
+    vf p = vsplat(1.9875691500e-4f);
+    p = p * r + vsplat(1.3981999507e-3f);
+    p = p * r + vsplat(8.3334519073e-3f);
+    p = p * r + vsplat(4.1665795894e-2f);
+    p = p * r + vsplat(1.6666665459e-1f);
+    p = p * r + vsplat(5.0000001201e-1f);
+    p = p * r * r + r + vsplat(1.0f);
+    return p * bits_to_vf((vu32)(((__v16si)_mm512_cvtps_epi32((__m512)n) + 127) << 23));
+}
+#endif
+
 /* The largest of n floats and their sum, in 16 lanes (a scalar max / sum is a chain of dependent
  * operations the compiler may not reorder: it was 11% of the kernel). Fixed order: deterministic. */
 static inline float lanes_max(const float* x, int64_t n) {
@@ -151,7 +171,15 @@ static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin,
         const float m = lanes_max(sg + begin, len - begin);
         /* weights under e^-69 (1e-30 of the largest) are 0: they change nothing a float32 sum keeps,
          * and their products with small scales would be denormals, which are slow on x86 */
-        for (int64_t p = begin; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
+        int64_t p = begin;
+#ifdef __AVX512F__
+        for (; p + LANES <= len; p += LANES) { /* 16 at once (gcc vectorized the loop below 8 wide) */
+            const vf x = vload(sg + p) - vsplat(m);
+            const vf e = bits_to_vf(vf_to_bits(exp_nonpositive16(x)) & (vu32)(x >= vsplat(-69.0f)));
+            memcpy(sg + p, &e, sizeof(e));
+        }
+#endif
+        for (; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
         const float inv = 1.0f / lanes_sum(sg + begin, len - begin);
         for (int64_t p = begin; p < len; ++p) sg[p] *= inv;
         memset(out + g * d, 0, sizeof(float) * (size_t)d);
@@ -434,13 +462,16 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
         float* sh = scores + x * group * width;
         float* oh = out + (r * kv_heads + h) * group * head_size;
         /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
-#define SERVELAB_ATTEND(fn, D) fn(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, \
-                                  begin, len, h, group, D, block_size, format, scale, sh, width, oh)
-        if (head_size == 64) SERVELAB_ATTEND(attend_head_tiled, 64);
-        else if (head_size == 128) SERVELAB_ATTEND(attend_head_tiled, 128);
-        else if (head_size == 256) SERVELAB_ATTEND(attend_head_tiled, 256);
-        else if (head_size % LANES == 0) SERVELAB_ATTEND(attend_head_tiled, head_size);
-        else SERVELAB_ATTEND(attend_head_rows, head_size);
+#define SERVELAB_ATTEND(fn, D, F) fn(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, \
+                                     table, begin, len, h, group, D, block_size, F, scale, sh, width, oh)
+        /* int8 (format 1) as a constant too: its conversion without the float8 branches */
+        if (head_size == 64 && format == 1) SERVELAB_ATTEND(attend_head_tiled, 64, 1);
+        else if (head_size == 128 && format == 1) SERVELAB_ATTEND(attend_head_tiled, 128, 1);
+        else if (head_size == 64) SERVELAB_ATTEND(attend_head_tiled, 64, format);
+        else if (head_size == 128) SERVELAB_ATTEND(attend_head_tiled, 128, format);
+        else if (head_size == 256) SERVELAB_ATTEND(attend_head_tiled, 256, format);
+        else if (head_size % LANES == 0) SERVELAB_ATTEND(attend_head_tiled, head_size, format);
+        else SERVELAB_ATTEND(attend_head_rows, head_size, format);
 #undef SERVELAB_ATTEND
     }
     return 0;
