@@ -106,29 +106,18 @@ class DecodeStep:
                          scale: float) -> torch.Tensor | None:
         """Write this step's ``key`` / ``value`` float32 ``[S, Hk, D]`` at ``slots`` int64 ``[S]`` (one
         per row, none padding: the caller's prepared slots) and attend ``query`` float32 ``[S, Hq, D]``
-        over the pages, in two C calls; ``None`` (nothing written) when the kernel or the C int8
+        over the pages (int8: one C call); ``None`` (nothing written) when the kernel or the C int8
         write does not take this layer's tensors (then the public ops do both). Float8 pages are
         written by :func:`servelab.attention.ops.write_prepared` (torch), then attended here."""
-        layout_key = self._layout_key(key, value, query, key_cache, value_cache, k_scale, v_scale)
-        layout: Any = self._layouts.get(layout_key, _UNSEEN)
-        if layout is _UNSEEN:
-            layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
-                                                              v_scale, slots)
+        layout = self._layout_of(key, value, query, key_cache, value_cache, k_scale, v_scale, slots)
         if layout is None:
             return None
         if layout[0]:  # int8: the write and the kernel in one C call (the same bits as the two)
-            _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
-            rows = self.rows
-            out = torch.empty((rows, kv_heads * group, head_size), dtype=torch.float32)
-            scores = self._workspace(rows * kv_heads * group * self.width)
-            code = _library().servelab_write_decode_int8(
-                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
-                query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides,
-                k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
-                self.lens.data_ptr(), rows, kv_heads, group, head_size, block_size, self.window, scale,
-                scores.data_ptr(), self.width, out.data_ptr(), torch.get_num_threads())
+            out = torch.empty(query.shape, dtype=torch.float32)
+            code = _library().servelab_write_decode_int8(*self._int8_args(
+                layout, key, value, query, key_cache, value_cache, k_scale, v_scale, slots, scale, out))
             if code != 0:
-                raise ValueError(f"servelab_write_decode_int8 refused head_size={head_size}")
+                raise ValueError(f"servelab_write_decode_int8 refused head_size={query.shape[2]}")
             return out
         ops.write_prepared(key, value, key_cache, value_cache, slots, None, k_scale=k_scale, v_scale=v_scale)
         return self.attend(query, key_cache, value_cache, k_scale, v_scale, scale)
@@ -140,14 +129,17 @@ class DecodeStep:
         tensors, its output written into ``out`` float32 ``[S, Hq, D]`` (contiguous), or ``None``
         when it would not make that call. For a caller that makes the call later, with these
         tensors alive and unchanged (:mod:`servelab.models.quantized_decode_layers`)."""
-        layout_key = self._layout_key(key, value, query, key_cache, value_cache, k_scale, v_scale)
-        layout: Any = self._layouts.get(layout_key, _UNSEEN)
-        if layout is _UNSEEN:
-            layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
-                                                              v_scale, slots)
+        layout = self._layout_of(key, value, query, key_cache, value_cache, k_scale, v_scale, slots)
         if layout is None or not layout[0] or not (out.is_contiguous() and out.shape == query.shape
                                                    and out.dtype == torch.float32):
             return None
+        return self._int8_args(layout, key, value, query, key_cache, value_cache, k_scale, v_scale, slots, scale,
+                               out)
+
+    def _int8_args(self, layout: tuple, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   slots: torch.Tensor, scale: float, out: torch.Tensor) -> tuple:
+        """``servelab_write_decode_int8``'s arguments for a layout :meth:`_layout` accepted for int8."""
         _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
         scores = self._workspace(self.rows * kv_heads * group * self.width)
         return (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
@@ -155,6 +147,17 @@ class DecodeStep:
                 k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
                 self.lens.data_ptr(), self.rows, kv_heads, group, head_size, block_size, self.window, float(scale),
                 scores.data_ptr(), self.width, out.data_ptr(), torch.get_num_threads())
+
+    def _layout_of(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   slots: torch.Tensor) -> tuple | None:
+        """:meth:`_layout` of these tensors, asked once per layout and step."""
+        layout_key = self._layout_key(key, value, query, key_cache, value_cache, k_scale, v_scale)
+        layout: Any = self._layouts.get(layout_key, _UNSEEN)
+        if layout is _UNSEEN:
+            layout = self._layouts[layout_key] = self._layout(key, value, query, key_cache, value_cache, k_scale,
+                                                              v_scale, slots)
+        return layout
 
     @staticmethod
     def _layout_key(key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,

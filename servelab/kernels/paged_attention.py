@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from servelab.kernels._triton_utils import is_interpreted, require_launchable, sm_count
-from servelab.kernels.paged_attention_plan import (  # noqa: F401  (re-exported: the planning's public names)
+from servelab.kernels._paged_attention_plan import (  # noqa: F401  (re-exported: the planning's public names)
     SPLIT_MIN_TOKENS,
     AttentionTiles,
     LaunchPlan,

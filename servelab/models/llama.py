@@ -289,10 +289,10 @@ class LlamaForCausalLM(nn.Module):
         attention = StepAttention(ops, attn_metadata, caches[0][0].shape[1] if caches else 1,
                                    check_values=self.check_inputs, chain=chain,
                                    previous_plans=self._previous_plans(ops, caches) if chain else None)
-        glued = None if torch.is_grad_enabled() else decode_glue.step_parts(
-            self.model.layers, x, attention.rope_tables(cos, sin), LlamaDecoderLayer, LlamaAttention)
-        if glued is not None and len(glued) == len(caches):  # a decode step on a CPU: each layer's glue
-            tables = attention.rope_tables(cos, sin)
+        tables = None if torch.is_grad_enabled() else attention.rope_tables(cos, sin)
+        glued = None if tables is None else decode_glue.step_parts(self.model.layers, x, tables, LlamaDecoderLayer,
+                                                                    LlamaAttention)
+        if glued and tables is not None and len(glued) == len(caches):  # a CPU decode step: each layer's glue
             x = decode_glue.forward(glued[0], x, *tables, caches[0], attention)
             # Over int8 pages, the later layers' calls prepared at once (quantized_decode_layers).
             direct = quantized_decode_layers.prepare(glued[1:], x, tables, caches[1:], attention)

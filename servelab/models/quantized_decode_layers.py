@@ -87,10 +87,15 @@ def prepare(glued: list[Any], x: torch.Tensor, tables: tuple[torch.Tensor, torch
     new = decode_glue._new
     qkv, qk, attn = new(rows, qkv_size), new(rows, heads + kv_heads, head_dim), new(rows, heads, head_dim)
     q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, q_size + kv_size:].view(rows, kv_heads, head_dim)
-    rows_between = (x, new(rows, hidden), new(rows, hidden))
+    # The rows between layers: one buffer, each layer's output written over its input. Safe: a layer
+    # reads its input rows only in its first two calls (the input norm, then the residual into h) and
+    # writes its output in the last, from h.
+    between = new(rows, hidden)
+    normed_at, qkv_at, qk_at, attn_at, h_at, gate_up_at = (t.data_ptr() for t in (normed, qkv, qk, attn, h, gate_up))
     cos, signed_sin = (t.data_ptr() for t in tables)
     threads = torch.get_num_threads()
     calls: list[tuple[tuple, ...]] = []
+    x_in = x
     for i, (glue, kv_cache) in enumerate(zip(glued, caches)):
         a = glue.attention
         if (a.num_heads, a.num_kv_heads, a.head_dim, glue.intermediate, glue.hidden, a.sliding_window,
@@ -99,19 +104,18 @@ def prepare(glued: list[Any], x: torch.Tensor, tables: tuple[torch.Tensor, torch
         attend = step.int8_call(k, v, q, *kv_cache, slots[0], a.scale, attn)
         if attend is None:
             return None
-        x_in, x_out = rows_between[0 if i == 0 else 1 + (i + 1) % 2].data_ptr(), rows_between[1 + i % 2].data_ptr()
         (panels, bias), (o_panels, o_bias), (gu_panels, gu_bias), (down_panels, down_bias) = map(
             decode_glue._pointers, glue.gemms)
         calls.append((
-            (x_in, decode_glue._weight(glue.input_norm).data_ptr(), glue.input_norm.eps, normed.data_ptr(), panels,
-             bias, qkv.data_ptr(), qk.data_ptr(), cos, signed_sin, rows, hidden, qkv_size, heads + kv_heads, head_dim,
+            (x_in.data_ptr(), decode_glue._weight(glue.input_norm).data_ptr(), glue.input_norm.eps, normed_at,
+             panels, bias, qkv_at, qk_at, cos, signed_sin, rows, hidden, qkv_size, heads + kv_heads, head_dim,
              threads),
             attend,
-            (attn.data_ptr(), q_size, o_panels, o_bias, x_in, h.data_ptr(),
-             decode_glue._weight(glue.post_norm).data_ptr(), glue.post_norm.eps, normed.data_ptr(), gu_panels,
-             gu_bias, gate_up.data_ptr(), rows, q_size, hidden, 2 * intermediate, threads),
-            (gate_up.data_ptr(), intermediate, down_panels, down_bias, h.data_ptr(), x_out, rows, hidden, threads),
+            (attn_at, q_size, o_panels, o_bias, x_in.data_ptr(), h_at, decode_glue._weight(glue.post_norm).data_ptr(),
+             glue.post_norm.eps, normed_at, gu_panels, gu_bias, gate_up_at, rows, q_size, hidden, 2 * intermediate,
+             threads),
+            (gate_up_at, intermediate, down_panels, down_bias, h_at, between.data_ptr(), rows, hidden, threads),
         ))
-    output = rows_between[1 + (len(glued) - 1) % 2]
-    held = (step, glued, caches, tables, normed, h, gate_up, qkv, qk, attn, rows_between)
-    return DirectLayers(calls, gate_up[:, :intermediate], output, held)
+        x_in = between
+    held = (step, glued, caches, tables, x, normed, h, gate_up, qkv, qk, attn, between)
+    return DirectLayers(calls, gate_up[:, :intermediate], x_in, held)

@@ -159,7 +159,7 @@ def test_more_splits_than_tiles_leaves_no_hole():
 def test_other_tile_shapes(monkeypatch, tiles):
     # The GPU picks wider tiles than the interpreter default; run those shapes too.
     # (the package attribute of that name is the function, so go through importlib)
-    module = importlib.import_module("servelab.kernels.paged_attention_plan")  # plan_launch reads it there
+    module = importlib.import_module("servelab.kernels._paged_attention_plan")  # plan_launch reads it there
     monkeypatch.setattr(module, "choose_tiles", lambda *args: tiles)
     case = build_case([1, 40, 7], [70, 40, 30], num_q_heads=6, num_kv_heads=2, head_size=48,
                       block_size=16, dtype=torch.float16, layout="dim_strided", seed=5)

@@ -1,9 +1,13 @@
 """Launch planning for :mod:`servelab.kernels.paged_attention`: tile shape, split-KV count,
 constexprs and grids, from shapes and options only (no tensor data, no host sync).
 
-Pure Python (no kernel here), so the offline GPU-compile test and the tile/split tests read
-exactly what the host code would launch. The split-KV knobs are module attributes of this
-module: an experiment changes them here (``paged_attention_plan.SPLIT_MAX = 8``).
+Pure Python (no kernel here, so no reference of its own: the kernel's reference is
+:func:`servelab.reference.paged_attention`), so the offline GPU-compile test and the tile/split
+tests read exactly what the host code would launch. A private helper of the kernel module, as
+``_triton_utils`` is; :mod:`servelab.kernels.paged_attention` re-exports its public names. The
+split-KV knobs are module attributes of this module, read at every launch: an experiment changes
+them here (``servelab.kernels._paged_attention_plan.SPLIT_MAX = 8``; assigning the re-exported
+name in ``paged_attention`` would change nothing).
 """
 
 from __future__ import annotations
