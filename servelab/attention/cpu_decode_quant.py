@@ -88,7 +88,8 @@ class DecodeStep:
         out = torch.empty((rows, num_q_heads, head_size), dtype=torch.float32)
         if rows == 0:
             return out
-        scores = self._workspace(rows * num_kv_heads * group * self.width)
+        threads = torch.get_num_threads()
+        scores = self._workspace(max(1, threads) * num_kv_heads * group * self.width)
         cache_strides = cpu_decode.int64s((*key_cache.stride()[:3], *value_cache.stride()[:3]))
         scale_strides = cpu_decode.int64s((*k_scale.stride(), *v_scale.stride()))
         code = _library().servelab_paged_decode_quant(
@@ -96,7 +97,7 @@ class DecodeStep:
             k_scale.data_ptr(), v_scale.data_ptr(), scale_strides.data_ptr(), self.table.data_ptr(),
             self.table.stride(0), self.lens.data_ptr(), rows, num_kv_heads, group, head_size, key_cache.shape[1],
             self.window, FORMATS[key_cache.dtype], float(scale), scores.data_ptr(), self.width, out.data_ptr(),
-            torch.get_num_threads())
+            threads)
         if code != 0:
             raise ValueError(f"servelab_paged_decode_quant refused head_size={head_size} / {key_cache.dtype}")
         return out
@@ -141,12 +142,13 @@ class DecodeStep:
                    slots: torch.Tensor, scale: float, out: torch.Tensor) -> tuple:
         """``servelab_write_decode_int8``'s arguments for a layout :meth:`_layout` accepted for int8."""
         _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
-        scores = self._workspace(self.rows * kv_heads * group * self.width)
+        threads = torch.get_num_threads()  # the workspace holds one slot per thread
+        scores = self._workspace(max(1, threads) * kv_heads * group * self.width)
         return (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
                 query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides,
                 k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
                 self.lens.data_ptr(), self.rows, kv_heads, group, head_size, block_size, self.window, float(scale),
-                scores.data_ptr(), self.width, out.data_ptr(), torch.get_num_threads())
+                scores.data_ptr(), self.width, out.data_ptr(), threads)
 
     def _layout_of(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,

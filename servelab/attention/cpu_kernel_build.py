@@ -5,7 +5,9 @@
 :mod:`servelab.models.cpu_gemm`) and a decoder layer's glue on a decode step
 (``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`), greedy decoding's
 argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`), and decode attention straight
-over quantized KV pages (``csrc/decode_attention_quant.c``, :mod:`servelab.attention.cpu_decode_quant`).
+over quantized KV pages (``csrc/decode_attention_quant.c``, reading the pages through
+``csrc/quant_pages.h``; :mod:`servelab.attention.cpu_decode_quant`) with its quantizing int8 cache
+write (``csrc/kv_write_int8.c``, :mod:`servelab.attention.ops`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -56,7 +58,10 @@ from servelab._internal.paths import kernel_cache_dir
 
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
-                                               "decode_glue.c", "argmax.c", "decode_attention_quant.c"))
+                                               "decode_glue.c", "argmax.c", "decode_attention_quant.c",
+                                               "kv_write_int8.c"))
+#: Headers the sources include: not compiled on their own, but hashed with them.
+HEADERS: tuple[Path, ...] = (Path(__file__).with_name("csrc") / "quant_pages.h",)
 ABI_VERSION = 14
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -130,8 +135,8 @@ def library_path(key: str) -> Path:
 
 
 def source_bytes() -> bytes:
-    """The sources' contents, concatenated (what the cache key hashes)."""
-    return b"\0".join(path.read_bytes() for path in SOURCES)
+    """The sources' and headers' contents, concatenated (what the cache key hashes)."""
+    return b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
 
 
 def compile_library(cc: str, flags: tuple[str, ...], key: str, target: Path) -> str | None:
@@ -243,7 +248,7 @@ scales = (ctypes.c_float * (3 * bs))(*[0.5] * (3 * bs))
 strides = (ctypes.c_int64 * 6)(bs * d, d, d, bs * d, d, d)
 scale_strides = (ctypes.c_int64 * 6)(bs, 1, 1, bs, 1, 1)
 q = (ctypes.c_float * (2 * d))(*[1.0] * (2 * d))
-s, out = (ctypes.c_float * (2 * 8))(), (ctypes.c_float * (2 * d))()
+s, out = (ctypes.c_float * (2 * 2 * 8))(), (ctypes.c_float * (2 * d))()  # scores: 2 threads' slots
 for fmt in (1, 2, 3):  # 0x01 as float8 is a tiny subnormal: only int8's value is checked
     rc = lib.servelab_paged_decode_quant(q, 2 * d, pages, pages, strides, scales, scales, scale_strides,
                                          (ctypes.c_int32 * 2)(1, 2), 2, (ctypes.c_int32 * 1)(6), 1, 1, 2, d, bs, 0,

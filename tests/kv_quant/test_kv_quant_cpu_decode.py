@@ -113,3 +113,25 @@ def test_float8_tables_equal_torch_conversion():
         out = cpu_decode_quant.paged_decode(query, pages, pages, ones, ones, table,
                                             torch.ones(n, dtype=torch.int32), 0.25)
         assert torch.equal(out[:, 0, 0], values[keep])
+
+
+@pytest.mark.parametrize("head_size", [64, 8])
+def test_every_thread_count_and_work_unit_gives_the_same_bits(head_size):
+    """One thread takes whole rows (every KV head tile by tile); two threads over five rows too; two
+    threads over one row, and three over five, take (row, KV head) pairs. Same bits every way."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for rows, lens in ((1, [150]), (5, [150, 3, 40, 17, 90])):
+            case = build_case("int8", "token_head", "block_outermost", 3, 3, head_size, 16, lens, [1] * rows, 1.0, 7)
+            for num_threads in (1, 2, 3):
+                torch.set_num_threads(num_threads)
+                results.append((rows, cpu_decode_quant.paged_decode(
+                    case.query, case.key_cache, case.value_cache, case.k_scale, case.v_scale, case.block_table,
+                    case.seq_lens, head_size ** -0.5, None)))
+            _check(case, None, results[-1][1])
+    finally:
+        torch.set_num_threads(threads)
+    for rows, got in results:
+        first = next(out for r, out in results if r == rows)
+        assert torch.equal(got, first), rows

@@ -6,13 +6,15 @@
  * reads every sequence's whole context once per layer, and that read is the floor of the
  * step; over quantized pages it is 1 byte per element (plus one float32 scale per token and
  * head) instead of 4, provided nothing makes a dequantized copy first. Each head reads its
- * positions straight from the pages through the block table, converts rows of D bytes to
- * float32 (int8 by a cast, float8 by integer field moves) into a small buffer, and uses them for
- * the G query heads of its group; the scale multiplies the dot product (K) and the softmax
- * weight (V), not every element. Head sizes that are multiples of 16 take the tiled path
- * (attend_head_tiled: 16 rows converted at once, AVX-512 widening loads, one transposing lane sum
- * per 16 dot products, output chunks in registers, rows prefetched ahead); others the row path
- * (attend_head_rows: one row at a time).
+ * positions straight from the pages through the block table (quant_pages.h: the conversions, the
+ * walk, a tile's rows), converts them to float32 (int8 by a cast, float8 by integer field moves)
+ * in registers or a small buffer, and uses them for the G query heads of its group; the scale
+ * multiplies the dot product (K) and the softmax weight (V), not every element. Head sizes that
+ * are multiples of 16 take the tiled path (attend_heads_tiled: a row's KV heads tile by tile, 16
+ * positions at a time; with AVX-512 BW the K rows transposed as bytes so a register holds one
+ * column of 16 positions, else converted rows and one transposing lane sum per 16 dot products;
+ * output chunks in registers, rows prefetched ahead); others the row path (attend_head_rows: one
+ * row at a time).
  *
  * Layouts:
  *   q        float32, row r, query head j = h * G + g at q + r * q_row_stride + j * D
@@ -22,71 +24,25 @@
  *   k_scale, v_scale  float32, same addressing with scale_strides (in floats; 0 for a static
  *            per-layer scale)
  *   seq_lens int32 [rows] (>= 1): the row's context including its newest position
- *   scores   float32 workspace [rows * Hk, G, width], width >= the longest context
+ *   scores   float32 workspace [max(1, num_threads), Hk, G, width], width >= the longest context: one
+ *            slot per thread, reused by each row (or head) the thread takes, so it stays in the core's
+ *            caches (one slot per row was 2.4 MB at 16 x 4k for SmolLM2, streamed out and back)
  *   out      float32 [rows, Hk * G, D]
  * window > 0 restricts row r to its last `window` positions.
  *
- * Order (deterministic): dot products in 16 lanes over d (tiled path: two chains of alternate
- * chunks), lanes summed by a fixed tree; softmax max and sum in 16 lanes, then the lanes by a fixed
- * tree; values accumulated over positions in increasing order (tiled path: even and odd positions
- * of a tile in two chains, added at the tile's end); each head computed by one thread, so every
- * thread count gives the same bits.
+ * Order (deterministic): dot products in fixed chains (row path: 16 lanes over d, summed by a
+ * fixed tree; tiled path with AVX-512 BW: four chains, chain c over the columns 16 c + k of every
+ * 64, then (0 + 1) + (2 + 3); without: two chains of alternate 16-lane chunks, lanes summed by a
+ * fixed tree); softmax max and sum in 16 lanes, then the lanes by a fixed tree; values accumulated
+ * over positions in increasing order (tiled path: one chain per query head and 16-value chunk); each
+ * head computed by one thread, in the same operations whether its thread takes whole rows or single
+ * heads, so every thread count gives the same bits. (A build with other instructions may differ in
+ * the last bits: the oracle test holds every build to the float64 reference.)
  */
-#include <math.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "quant_pages.h"
+#ifdef _OPENMP
+#include <omp.h>
 #endif
-
-#define MAX_HEAD_SIZE 512
-#define LANES 16
-
-typedef float vf __attribute__((vector_size(64)));  /* 16 floats */
-
-static inline vf vload(const float* p) { vf x; memcpy(&x, p, sizeof(x)); return x; }
-static inline vf vsplat(float s) { return (vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-/* The 16 lanes summed as a fixed tree (halves added: 16 -> 8 -> 4 -> 1): deterministic, and a few
- * shuffles instead of 15 dependent scalar adds. */
-static inline float hsum(vf x) {
-    const vf8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-                  + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline float bits_to_float(uint32_t bits) { float f; memcpy(&f, &bits, sizeof(f)); return f; }
-
-/* One stored row of `d` values -> float32 (format 1 int8, 2 float8 e4m3fn, 3 float8 e5m2). Float8 is
- * decoded with integer ops the compiler vectorizes: a normal number moves its exponent and mantissa
- * into float32's fields (bias 127 - 7 = 120 for e4m3, 127 - 15 = 112 for e5m2); a subnormal is
- * mantissa * 2^-9 (e4m3) or 2^-16 (e5m2), exact in float32. NaN / infinity are never stored (the
- * writes clamp to the finite range), so they are not decoded. */
-static inline void convert_row(const uint8_t* restrict src, float* restrict dst, int64_t d, int64_t format) {
-    if (format == 1) {
-        const int8_t* s = (const int8_t*)src;
-        for (int64_t i = 0; i < d; ++i) dst[i] = (float)s[i];
-    } else if (format == 2) {
-        for (int64_t i = 0; i < d; ++i) {
-            const uint32_t b = src[i], e = (b >> 3) & 0xF, m = b & 7, sign = (b & 0x80) << 24;
-            const float normal = bits_to_float(sign | ((e + 120) << 23) | (m << 20));
-            const float sub = bits_to_float(sign | 0x3F800000u) * (float)m * 0.001953125f;  /* 2^-9 */
-            dst[i] = e ? normal : sub;
-        }
-    } else {
-        for (int64_t i = 0; i < d; ++i) {
-            const uint32_t b = src[i], e = (b >> 2) & 0x1F, m = b & 3, sign = (b & 0x80) << 24;
-            const float normal = bits_to_float(sign | ((e + 112) << 23) | (m << 21));
-            const float sub = bits_to_float(sign | 0x3F800000u) * (float)m * 1.52587890625e-05f;  /* 2^-16 */
-            dst[i] = e ? normal : sub;
-        }
-    }
-}
 
 /* exp(x) for x <= 0 (softmax arguments, max subtracted): Cephes' single-precision polynomial, as
  * csrc/decode_attention.c's (within 2 ulp of expf on [-87, 0]); no libm call, so loops vectorize. */
@@ -103,20 +59,6 @@ static inline float exp_nonpositive(float x) {
     p = p * r * r + r + 1.0f;
     return p * bits_to_float((uint32_t)((int32_t)n + 127) << 23);
 }
-
-/* Position p's block and offset walked block by block (no division per position; the table entry
- * past the last position is never read). */
-#define FOR_POSITIONS(begin, len, block_size, table, block, offset, p)                              \
-    for (int64_t p = (begin), block_index_ = (begin) / (block_size), offset = (begin) % (block_size),  \
-                 block = (table)[block_index_];                                                    \
-         p < (len);                                                                                 \
-         ++p, (++offset == (block_size) ? (offset = 0, ++block_index_,                                     \
-                                           block = p < (len) ? (table)[block_index_] : 0) : 0))
-
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-
-static inline vf bits_to_vf(vu32 x) { vf f; memcpy(&f, &x, sizeof(f)); return f; }
-static inline vu32 vf_to_bits(vf x) { vu32 u; memcpy(&u, &x, sizeof(u)); return u; }
 
 #ifdef __AVX512F__
 /* exp_nonpositive on 16 lanes: the same operations in the same order (rounding to nearest even, the
@@ -138,8 +80,9 @@ static inline vf exp_nonpositive16(vf x) {
 }
 #endif
 
-/* The largest of n floats and their sum, in 16 lanes (a scalar max / sum is a chain of dependent
- * operations the compiler may not reorder: it was 11% of the kernel). Fixed order: deterministic. */
+/* The largest of n floats in 16 lanes (a scalar max / sum is a chain of dependent operations the
+ * compiler may not reorder: it was 11% of the kernel; the sum is made in softmax_rows the same way).
+ * Fixed order: deterministic. */
 static inline float lanes_max(const float* x, int64_t n) {
     vf m = vsplat(-INFINITY);
     int64_t i = 0;
@@ -154,15 +97,6 @@ static inline float lanes_max(const float* x, int64_t n) {
     return r;
 }
 
-static inline float lanes_sum(const float* x, int64_t n) {
-    vf a = vsplat(0.0f);
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) a += vload(x + i);
-    float r = hsum(a);
-    for (; i < n; ++i) r += x[i];
-    return r;
-}
-
 /* Softmax over s[g * width + begin .. len) in place, for every query head g; out zeroed. */
 static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin, int64_t len, int64_t group,
                                 int64_t d, float* restrict out) {
@@ -172,15 +106,24 @@ static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin,
         /* weights under e^-69 (1e-30 of the largest) are 0: they change nothing a float32 sum keeps,
          * and their products with small scales would be denormals, which are slow on x86 */
         int64_t p = begin;
-#ifdef __AVX512F__
-        for (; p + LANES <= len; p += LANES) { /* 16 at once (gcc vectorized the loop below 8 wide) */
+        vf sum = vsplat(0.0f); /* summed as they are made: 16 lanes, in order, then the fixed tree */
+        for (; p + LANES <= len; p += LANES) {
+#ifdef __AVX512F__ /* 16 at once (gcc vectorized the scalar loop 8 wide) */
             const vf x = vload(sg + p) - vsplat(m);
             const vf e = bits_to_vf(vf_to_bits(exp_nonpositive16(x)) & (vu32)(x >= vsplat(-69.0f)));
             memcpy(sg + p, &e, sizeof(e));
-        }
+#else
+            for (int64_t i = p; i < p + LANES; ++i) sg[i] = sg[i] - m < -69.0f ? 0.0f : exp_nonpositive(sg[i] - m);
+            const vf e = vload(sg + p);
 #endif
-        for (; p < len; ++p) sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
-        const float inv = 1.0f / lanes_sum(sg + begin, len - begin);
+            sum += e;
+        }
+        float total = hsum(sum);
+        for (; p < len; ++p) {
+            sg[p] = sg[p] - m < -69.0f ? 0.0f : exp_nonpositive(sg[p] - m);
+            total += sg[p];
+        }
+        const float inv = 1.0f / total;
         for (int64_t p = begin; p < len; ++p) sg[p] *= inv;
         memset(out + g * d, 0, sizeof(float) * (size_t)d);
     }
@@ -227,40 +170,13 @@ static inline __attribute__((always_inline)) void attend_head_rows(
 /* ---- The tiled path (head sizes that are multiples of 16): TILE positions at a time. ----
  * Per position the row path above pays a lane sum per query head and a load / store of the
  * output per query head; it measured ~190 cycles per position and KV head on int8 pages (SmolLM2
- * shapes), slower than the float32 kernel reading 4x the bytes. Here a tile of TILE rows is
- * converted once into a float32 buffer (in L1), each query head's TILE dot products are summed
- * by one transposing tree (15 shuffle-add steps for 16 positions instead of 16 separate lane
- * sums), and the value rows are accumulated into output chunks held in registers across the
- * tile. Same float32 products; only the summation order differs (fixed, so still deterministic). */
-#define TILE 16
-#define VCHUNKS 8 /* output chunks of 16 floats held in registers while a tile's values accumulate */
-
-typedef struct { int64_t index, offset, block; } walk_t; /* a position's table index, offset and block */
-
-static inline walk_t walk_start(const int32_t* table, int64_t p, int64_t block_size) {
-    walk_t w = {p / block_size, p % block_size, 0};
-    w.block = table[w.index];
-    return w;
-}
-
-/* Advance to position p + 1 (the table entry past `len` is never read). */
-static inline void walk_next(walk_t* w, const int32_t* table, int64_t p, int64_t len, int64_t block_size) {
-    if (++w->offset == block_size) {
-        w->offset = 0;
-        ++w->index;
-        w->block = p + 1 < len ? table[w->index] : 0;
-    }
-}
-
-/* Advance by n positions that stay within the block (or end exactly at its end) to position p. */
-static inline void walk_skip(walk_t* w, const int32_t* table, int64_t p, int64_t len, int64_t n, int64_t block_size) {
-    w->offset += n;
-    if (w->offset == block_size) {
-        w->offset = 0;
-        ++w->index;
-        w->block = p < len ? table[w->index] : 0;
-    }
-}
+ * shapes), slower than the float32 kernel reading 4x the bytes. Here a tile's K rows are
+ * transposed as bytes and each query head's TILE dot products build up in one register
+ * (score_tile_transposed; without AVX-512 BW: the rows converted once into a float32 buffer in L1
+ * and each head's TILE dot products summed by one transposing tree, 15 shuffle-add steps for 16
+ * positions instead of 16 separate lane sums), and the value rows are accumulated into output
+ * chunks held in registers across the tile. Same float32 products; only the summation order
+ * differs (fixed, so still deterministic). */
 
 /* r[t] = the sum of x[t]'s 16 lanes, for 16 vectors at once: halves of pairs added, 16 -> 8 -> 4 -> 2
  * -> 1 partial sums per vector, every step two shuffles and one add over two vectors. */
@@ -282,81 +198,6 @@ static inline vf reduce_tile(const vf* x) {
            + __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* convert_row over 16 values at a time (d % 16 == 0) with AVX-512 widening loads: int8 is one
- * sign extension and one int -> float conversion per 16 values; float8 the same field moves as
- * convert_row, the subnormal chosen by a lane mask. (Auto-vectorized, convert_row took half-width
- * vectors and a two-step sign extension; gcc 12 lowers __builtin_convertvector from 16 bytes to 16
- * ints element by element, hence the intrinsics.) Without AVX-512: convert_row. */
-static inline __attribute__((always_inline)) void convert_row16(const uint8_t* restrict src, float* restrict dst,
-                                                                int64_t d, int64_t format) {
-#ifdef __AVX512F__
-    for (int64_t c = 0; c < d; c += LANES) {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(src + c));
-        vf x;
-        if (format == 1) {
-            x = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-        } else {
-            const vu32 b = (vu32)_mm512_cvtepu8_epi32(raw), sign = (b & 0x80) << 24;
-            const int e4 = format == 2;
-            const vu32 e = e4 ? (b >> 3) & 0xF : (b >> 2) & 0x1F, m = e4 ? b & 7 : b & 3;
-            const vu32 normal = e4 ? sign | ((e + 120) << 23) | (m << 20) : sign | ((e + 112) << 23) | (m << 21);
-            const vf sub = bits_to_vf(sign | 0x3F800000u) * (vf)_mm512_cvtepi32_ps((__m512i)m)
-                           * vsplat(e4 ? 0.001953125f : 1.52587890625e-05f); /* 2^-9, 2^-16 */
-            const vu32 is_normal = (vu32)(e != 0);
-            x = bits_to_vf((normal & is_normal) | (vf_to_bits(sub) & ~is_normal));
-        }
-        memcpy(dst + c, &x, sizeof(x));
-    }
-#else
-    convert_row(src, dst, d, format);
-#endif
-}
-
-/* Convert the n (<= TILE) rows of positions [p, p + n) to float32 rows of `d` in `rows`, and their
- * scales to `scales`; w walks on to position p + n. `ahead` walks PREFETCH positions in front and
- * asks for their rows: a head's rows are d bytes every s_s (the other heads between them) and one
- * block's rows are not next to the next block's, a pattern the hardware prefetcher left mostly
- * unfetched (the first load of a row was a quarter of the kernel's samples). */
-#define PREFETCH (2 * TILE)
-static inline __attribute__((always_inline)) void load_tile(const uint8_t* restrict base, int64_t s_b, int64_t s_s,
-                                                            const float* restrict sbase, int64_t t_b, int64_t t_s,
-                                                            walk_t* w, walk_t* ahead, const int32_t* table, int64_t p,
-                                                            int64_t n, int64_t len, int64_t d, int64_t block_size,
-                                                            int64_t format, float* restrict rows,
-                                                            float* restrict scales) {
-    if (w->offset + n <= block_size && ahead->offset + n <= block_size && p + n + PREFETCH <= len) {
-        /* the tile and the one PREFETCH ahead each within one block (the common case): rows s_s
-         * apart, no table walk per position */
-        const uint8_t* row = base + w->block * s_b + w->offset * s_s;
-        const uint8_t* next = base + ahead->block * s_b + ahead->offset * s_s;
-        const float* scale = sbase + w->block * t_b + w->offset * t_s;
-        /* and their scales (16 positions' scales of this head span up to four lines, t_s floats apart;
-         * not prefetched, each tile began with demand misses on them: 2-3% of the kernel from DRAM) */
-        const float* next_scale = sbase + ahead->block * t_b + ahead->offset * t_s;
-        for (int64_t t = 0; t < n; t += 4) __builtin_prefetch(next_scale + t * t_s);
-        __builtin_prefetch(next_scale + (n - 1) * t_s);
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t i = 0; i < d; i += 64) __builtin_prefetch(next + t * s_s + i);
-            convert_row16(row + t * s_s, rows + t * d, d, format);
-            scales[t] = scale[t * t_s];
-        }
-        walk_skip(w, table, p + n, len, n, block_size);
-        walk_skip(ahead, table, p + n + PREFETCH, len, n, block_size);
-        return;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-        if (p + t + PREFETCH < len) {
-            const uint8_t* next = base + ahead->block * s_b + ahead->offset * s_s;
-            __builtin_prefetch(sbase + ahead->block * t_b + ahead->offset * t_s);
-            for (int64_t i = 0; i < d; i += 64) __builtin_prefetch(next + i);
-            walk_next(ahead, table, p + t + PREFETCH, len, block_size);
-        }
-        convert_row16(base + w->block * s_b + w->offset * s_s, rows + t * d, d, format);
-        scales[t] = sbase[w->block * t_b + w->offset * t_s];
-        walk_next(w, table, p + t, len, block_size);
-    }
-}
-
 /* s[g * width + p + t] = factor * k_scale[t] * (q_g . row_t) for the n (<= TILE) rows of a tile. */
 static inline __attribute__((always_inline)) void score_tile(const float* restrict q, const float* restrict rows,
                                                              const float* restrict k_scales, int64_t n, int64_t p,
@@ -366,9 +207,12 @@ static inline __attribute__((always_inline)) void score_tile(const float* restri
     for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * d;
         vf acc[TILE];
+        /* a full tile (the common case) with no test per row: gcc then keeps the 16 sums in registers
+         * (with the test they went through the stack: 7% of the kernel in L1) */
+#pragma GCC unroll 16
         for (int64_t t = 0; t < TILE; ++t) {
             vf a = vsplat(0.0f), b = vsplat(0.0f); /* two chains: half the FMA latency in a row */
-            if (t < n) {
+            if (n == TILE || t < n) {
                 int64_t c = 0;
                 for (; c + 1 < chunks; c += 2) {
                     a += vload(qg + c * LANES) * vload(rows + t * d + c * LANES);
@@ -379,70 +223,174 @@ static inline __attribute__((always_inline)) void score_tile(const float* restri
             acc[t] = a + b;
         }
         const vf dots = reduce_tile(acc);
-        for (int64_t t = 0; t < n; ++t) s[g * width + p + t] = dots[t] * (factor * k_scales[t]);
+        if (n == TILE) {
+            const vf sums = dots * (vsplat(factor) * vload(k_scales));
+            memcpy(s + g * width + p, &sums, sizeof(sums));
+        } else {
+            for (int64_t t = 0; t < n; ++t) s[g * width + p + t] = dots[t] * (factor * k_scales[t]);
+        }
     }
 }
 
-/* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, the
- * output held in registers VCHUNKS chunks at a time. */
+#ifdef __AVX512BW__
+/* The transposing score path (AVX-512 BW): a tile's K rows transposed as bytes (transpose_bytes),
+ * so each converted vector holds one column d of 16 positions, and a query head's 16 dot products
+ * build up in one register as sum_d q[d] * column_d: no lane sums, q[d] broadcast from memory. On
+ * SmolLM2 shapes (G = 3, D = 64) it made the kernel ~8% faster in cache than score_tile's transposing
+ * tree. Dot products of GB (1..4) query heads in 4 chains each (chain c: columns col + 16 c + k). */
+static inline __attribute__((always_inline)) void column_dots(const uint8_t* restrict columns, const float* restrict q,
+                                                              int64_t gb, int64_t d, int64_t format, vf* restrict dots) {
+    vf acc[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = vsplat(0.0f);
+    for (int64_t col = 0; col < d; col += 64) {
+        const int64_t lanes = (d - col) / LANES < 4 ? (d - col) / LANES : 4;
+        for (int64_t k = 0; k < 16; ++k) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                if (c >= lanes) break;
+                const vf x = convert16(_mm_load_si128((const __m128i*)(columns + col * 16 + k * 64 + c * 16)), format);
+                for (int g = 0; g < 4; ++g)
+                    if (g < gb) acc[g][c] += vsplat(q[g * d + col + 16 * c + k]) * x;
+            }
+        }
+    }
+    for (int g = 0; g < 4; ++g)
+        if (g < gb) dots[g] = (acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3]);
+}
+
+/* score_tile's result from the n (<= TILE) rows at addresses[0 .. n) (rows past n read as zeros). */
+static inline __attribute__((always_inline)) void score_tile_transposed(const float* restrict q,
+                                                                        const uint8_t* const* addresses,
+                                                                        const float* restrict k_scales, int64_t n,
+                                                                        int64_t p, int64_t group, int64_t d,
+                                                                        int64_t format, float factor,
+                                                                        float* restrict s, int64_t width) {
+    uint8_t columns[TILE * MAX_HEAD_SIZE] __attribute__((aligned(64)));
+    const uint8_t* rows[TILE];
+    float scales[TILE];
+    for (int t = 0; t < TILE; ++t) {
+        rows[t] = t < n ? addresses[t] : zero_row;
+        scales[t] = t < n ? k_scales[t] : 0.0f;
+    }
+    for (int64_t col = 0; col < d; col += 64) transpose_bytes(rows, col, d - col, columns + col * 16);
+    const vf factors = vsplat(factor) * vload(scales);
+    const __mmask16 keep = (__mmask16)((1u << n) - 1);
+    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* query heads 4 at a time: at most 16 accumulators */
+        vf dots[4];
+        const int64_t gb = group - g0 < 4 ? group - g0 : 4;
+        if (gb == 4) column_dots(columns, q + g0 * d, 4, d, format, dots);
+        else if (gb == 3) column_dots(columns, q + g0 * d, 3, d, format, dots);
+        else if (gb == 2) column_dots(columns, q + g0 * d, 2, d, format, dots);
+        else column_dots(columns, q + g0 * d, 1, d, format, dots);
+        for (int64_t g = 0; g < gb; ++g)
+            _mm512_mask_storeu_ps(s + (g0 + g) * width + p, keep, (__m512)(dots[g] * factors));
+    }
+}
+#endif
+
+/* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, for
+ * GB (1..4) query heads at once: each row chunk is loaded once for all GB heads, the output 4 chunks
+ * at a time in registers, positions in increasing order (one chain per head and chunk). Loading the
+ * rows once per head instead was 2-5% slower in the kernel on SmolLM2's shapes; the weights are
+ * stored one by one (a vector store read back as broadcasts cost a store-forwarding stall: 9% of this
+ * function in a micro-benchmark). Every tile runs all TILE positions (a fixed, unrolled loop: a
+ * partial tile's loop over n was 5% slower at 190 positions): rows past n must be zeros, their
+ * weights are. */
+static inline __attribute__((always_inline)) void accumulate_heads(const float* restrict rows,
+                                                                   const float* restrict v_scales, int64_t n,
+                                                                   int64_t p, int64_t gb, int64_t d,
+                                                                   const float* restrict s, int64_t width,
+                                                                   float* restrict out) {
+    float w[4 * TILE] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < gb; ++g)
+        for (int64_t t = 0; t < TILE; ++t) w[g * TILE + t] = t < n ? s[g * width + p + t] * v_scales[t] : 0.0f;
+    for (int64_t c0 = 0; c0 < d; c0 += 4 * LANES) {
+        const int64_t m = (d - c0) / LANES < 4 ? (d - c0) / LANES : 4;
+        vf acc[4][4];
+        for (int64_t g = 0; g < gb; ++g)
+            for (int64_t j = 0; j < m; ++j) acc[g][j] = vload(out + g * d + c0 + j * LANES);
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < TILE; ++t) {
+            vf x[4];
+            for (int64_t j = 0; j < m; ++j) x[j] = vload(rows + t * d + c0 + j * LANES);
+            for (int64_t g = 0; g < gb; ++g) {
+                const vf wg = vsplat(w[g * TILE + t]);
+                for (int64_t j = 0; j < m; ++j) acc[g][j] += wg * x[j];
+            }
+        }
+        for (int64_t g = 0; g < gb; ++g)
+            for (int64_t j = 0; j < m; ++j) memcpy(out + g * d + c0 + j * LANES, &acc[g][j], sizeof(vf));
+    }
+}
+
+/* The values of a tile's n rows for all query heads, 4 at a time (rows past n zeros). */
 static inline __attribute__((always_inline)) void accumulate_tile(const float* restrict rows,
                                                                   const float* restrict v_scales, int64_t n,
                                                                   int64_t p, int64_t group, int64_t d,
                                                                   const float* restrict s, int64_t width,
                                                                   float* restrict out) {
-    const int64_t chunks = d / LANES;
-    for (int64_t g = 0; g < group; ++g) {
-        float w[TILE];
-        for (int64_t t = 0; t < n; ++t) w[t] = s[g * width + p + t] * v_scales[t];
-        for (int64_t c0 = 0; c0 < chunks; c0 += VCHUNKS) {
-            const int64_t m = chunks - c0 < VCHUNKS ? chunks - c0 : VCHUNKS;
-            float* og = out + g * d + c0 * LANES;
-            /* even and odd positions in separate accumulators: twice the independent FMA chains (one
-             * chain per chunk was bound by the FMA latency) */
-            vf acc[VCHUNKS], odd[VCHUNKS];
-            for (int64_t j = 0; j < m; ++j) acc[j] = vload(og + j * LANES), odd[j] = vsplat(0.0f);
-            int64_t t = 0;
-            for (; t + 1 < n; t += 2) {
-                const vf w0 = vsplat(w[t]), w1 = vsplat(w[t + 1]);
-                for (int64_t j = 0; j < m; ++j) {
-                    acc[j] += w0 * vload(rows + t * d + (c0 + j) * LANES);
-                    odd[j] += w1 * vload(rows + (t + 1) * d + (c0 + j) * LANES);
-                }
-            }
-            if (t < n)
-                for (int64_t j = 0; j < m; ++j) acc[j] += vsplat(w[t]) * vload(rows + t * d + (c0 + j) * LANES);
-            for (int64_t j = 0; j < m; ++j) {
-                const vf sum = acc[j] + odd[j];
-                memcpy(og + j * LANES, &sum, sizeof(vf));
-            }
-        }
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t gb = group - g0 < 4 ? group - g0 : 4;
+        const float* sg = s + g0 * width;
+        float* og = out + g0 * d;
+        if (gb == 4) accumulate_heads(rows, v_scales, n, p, 4, d, sg, width, og);
+        else if (gb == 3) accumulate_heads(rows, v_scales, n, p, 3, d, sg, width, og);
+        else if (gb == 2) accumulate_heads(rows, v_scales, n, p, 2, d, sg, width, og);
+        else accumulate_heads(rows, v_scales, n, p, 1, d, sg, width, og);
     }
 }
 
-/* One KV head over positions [begin, len) by tiles: scores, softmax, values (d % LANES == 0). */
-static inline __attribute__((always_inline)) void attend_head_tiled(
+/* KV heads [h, h + heads) of one row over positions [begin, len) by tiles: scores, softmax, values
+ * (d % LANES == 0). q, s and out point at head h's query, scores and output; head h + j's are
+ * j * group * d (q, out) and j * group * width (s) further. The heads go through each tile in turn,
+ * so a block's rows of every head are read while its lines are in cache: one head at a time read
+ * every third line of a block (three KV heads) and came back for the others after the whole
+ * context, by when the prefetchers' copies were gone (a sweep from DRAM took 17% longer). */
+static inline __attribute__((always_inline)) void attend_heads_tiled(
     const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v, const int64_t* restrict cs,
     const float* restrict ks, const float* restrict vs, const int64_t* restrict ss, const int32_t* restrict table,
-    int64_t begin, int64_t len, int64_t h, int64_t group, int64_t d, int64_t block_size, int64_t format,
-    float scale, float* restrict s, int64_t width, float* restrict out) {
+    int64_t begin, int64_t len, int64_t h, int64_t heads, int64_t group, int64_t d, int64_t block_size,
+    int64_t format, float scale, float* restrict s, int64_t width, float* restrict out) {
     float rows[TILE * MAX_HEAD_SIZE] __attribute__((aligned(64)));
     float scales[TILE];
     const int64_t lookahead = begin + PREFETCH < len ? begin + PREFETCH : begin;
-    walk_t w = walk_start(table, begin, block_size), ahead = walk_start(table, lookahead, block_size);
-    for (int64_t p = begin; p < len; p += TILE) {
-        const int64_t n = len - p < TILE ? len - p : TILE;
-        load_tile(k + h * cs[2], cs[0], cs[1], ks + h * ss[2], ss[0], ss[1], &w, &ahead, table, p, n, len, d,
-                  block_size, format, rows, scales);
-        score_tile(q, rows, scales, n, p, group, d, scale, s, width);
-    }
-    softmax_rows(s, width, begin, len, group, d, out);
-    w = walk_start(table, begin, block_size);
-    ahead = walk_start(table, lookahead, block_size);
-    for (int64_t p = begin; p < len; p += TILE) {
-        const int64_t n = len - p < TILE ? len - p : TILE;
-        load_tile(v + h * cs[5], cs[3], cs[4], vs + h * ss[5], ss[3], ss[4], &w, &ahead, table, p, n, len, d,
-                  block_size, format, rows, scales);
-        accumulate_tile(rows, scales, n, p, group, d, s, width, out);
+    for (int pass = 0; pass < 2; ++pass) { /* 0: keys -> scores; 1: values -> out */
+        const uint8_t* cache = pass == 0 ? k : v;
+        const float* cache_scales = pass == 0 ? ks : vs;
+        const int64_t* c = cs + 3 * pass;
+        const int64_t* t = ss + 3 * pass;
+        walk_t w = walk_start(table, begin, block_size), ahead = walk_start(table, lookahead, block_size);
+        for (int64_t p = begin; p < len; p += TILE) {
+            const int64_t n = len - p < TILE ? len - p : TILE;
+            walk_t head_w = w, head_ahead = ahead;  /* every head walks the same positions */
+            for (int64_t j = 0; j < heads; ++j) {
+                head_w = w, head_ahead = ahead;
+#ifdef __AVX512BW__
+                if (pass == 0) {
+                    const uint8_t* addresses[TILE];
+                    load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1],
+                              &head_w, &head_ahead, table, p, n, len, d, block_size, format, rows, scales, addresses);
+                    score_tile_transposed(q + j * group * d, addresses, scales, n, p, group, d, format, scale,
+                                          s + j * group * width, width);
+                    continue;
+                }
+#endif
+                load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1], &head_w,
+                          &head_ahead, table, p, n, len, d, block_size, format, rows, scales, NULL);
+                if (pass == 0)
+                    score_tile(q + j * group * d, rows, scales, n, p, group, d, scale, s + j * group * width, width);
+                else {
+                    if (n < TILE) /* zero weights times zero rows: the missing positions add nothing */
+                        memset(rows + n * d, 0, sizeof(float) * (size_t)((TILE - n) * d));
+                    accumulate_tile(rows, scales, n, p, group, d, s + j * group * width, width, out + j * group * d);
+                }
+            }
+            w = head_w, ahead = head_ahead;
+        }
+        if (pass == 0)
+            for (int64_t j = 0; j < heads; ++j)
+                softmax_rows(s + j * group * width, width, begin, len, group, d, out + j * group * d);
     }
 }
 
@@ -455,73 +403,44 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
                                 int64_t format, float scale, float* scores, int64_t width, float* out,
                                 int64_t num_threads) {
     if (head_size > MAX_HEAD_SIZE || format < 1 || format > 3) return -1;
-    const int64_t heads = rows * kv_heads;
     const int team = num_threads > 1 ? (int)num_threads : 1;
-    (void)team;
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1 && heads > 1)
-    for (int64_t x = 0; x < heads; ++x) {
-        const int64_t r = x / kv_heads, h = x % kv_heads;
+    /* work units: whole rows (all their KV heads tile by tile, see attend_heads_tiled) when there are
+     * enough rows to share among the threads, else single (row, KV head) pairs. Each head's
+     * operations are the same either way, so the unit changes no bit. */
+    const int whole_rows = team == 1 || rows >= 2 * team;
+    const int64_t units = whole_rows ? rows : rows * kv_heads, span = whole_rows ? kv_heads : 1;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1 && units > 1)
+    for (int64_t x = 0; x < units; ++x) {
+        const int64_t r = whole_rows ? x : x / kv_heads, h = whole_rows ? 0 : x % kv_heads;
         const int64_t len = seq_lens[r];
         const int64_t begin = window > 0 && len > window ? len - window : 0;
         const float* qh = q + r * q_row_stride + h * group * head_size;
         const int32_t* table = block_table + r * table_stride;
-        float* sh = scores + x * group * width;
+#ifdef _OPENMP
+        const int64_t slot = omp_get_thread_num();
+#else
+        const int64_t slot = 0;
+#endif
+        float* sh = scores + (slot * kv_heads + h) * group * width;
         float* oh = out + (r * kv_heads + h) * group * head_size;
         /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
-#define SERVELAB_ATTEND(fn, D, F) fn(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, \
-                                     table, begin, len, h, group, D, block_size, F, scale, sh, width, oh)
+#define SERVELAB_TILED(D, F) attend_heads_tiled(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, \
+                                                table, begin, len, h, span, group, D, block_size, F, scale, sh, width, oh)
         /* int8 (format 1) as a constant too: its conversion without the float8 branches */
-        if (head_size == 64 && format == 1) SERVELAB_ATTEND(attend_head_tiled, 64, 1);
-        else if (head_size == 128 && format == 1) SERVELAB_ATTEND(attend_head_tiled, 128, 1);
-        else if (head_size == 64) SERVELAB_ATTEND(attend_head_tiled, 64, format);
-        else if (head_size == 128) SERVELAB_ATTEND(attend_head_tiled, 128, format);
-        else if (head_size == 256) SERVELAB_ATTEND(attend_head_tiled, 256, format);
-        else if (head_size % LANES == 0) SERVELAB_ATTEND(attend_head_tiled, head_size, format);
-        else SERVELAB_ATTEND(attend_head_rows, head_size, format);
-#undef SERVELAB_ATTEND
+        if (head_size == 64 && format == 1) SERVELAB_TILED(64, 1);
+        else if (head_size == 128 && format == 1) SERVELAB_TILED(128, 1);
+        else if (head_size == 64) SERVELAB_TILED(64, format);
+        else if (head_size == 128) SERVELAB_TILED(128, format);
+        else if (head_size == 256) SERVELAB_TILED(256, format);
+        else if (head_size % LANES == 0) SERVELAB_TILED(head_size, format);
+        else
+            for (int64_t j = 0; j < span; ++j)
+                attend_head_rows(qh + j * group * head_size, k_cache, v_cache, cache_strides, k_scale, v_scale,
+                                 scale_strides, table, begin, len, h + j, group, head_size, block_size, format, scale,
+                                 sh + j * group * width, width, oh + j * group * head_size);
+#undef SERVELAB_TILED
     }
     return 0;
-}
-
-/* The quantizing cache write for int8 pages: row i of key / value (float32, heads contiguous,
- * rows key_row_stride / value_row_stride apart) goes to slot slots[i] (block slot / B, offset
- * slot % B; cache and scale addressing as above). Each head's scale is its own amax / 127 (1 for
- * an all-zero head), stored, or with static_scales the layer's (block and token strides 0), read;
- * q = round-half-even(x / scale) clamped to +-127: the same float32 operations, in the same order,
- * as the torch write (servelab.blocks.kv_quant.quantize_rows), so the same bits. */
-void servelab_write_kv_int8(const float* key, int64_t key_row_stride, const float* value, int64_t value_row_stride,
-                            int8_t* k_cache, int8_t* v_cache, const int64_t* cs, float* k_scale, float* v_scale,
-                            const int64_t* ss, int64_t static_scales, const int64_t* slots, int64_t n,
-                            int64_t heads, int64_t d, int64_t block_size) {
-    for (int64_t i = 0; i < n; ++i) {
-        const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
-        for (int t = 0; t < 2; ++t) {
-            const float* src = t == 0 ? key + i * key_row_stride : value + i * value_row_stride;
-            int8_t* cache = t == 0 ? k_cache : v_cache;
-            float* scales = t == 0 ? k_scale : v_scale;
-            const int64_t* c = cs + 3 * t;
-            const int64_t* s = ss + 3 * t;
-            for (int64_t h = 0; h < heads; ++h) {
-                const float* x = src + h * d;
-                float* scale_at = scales + block * s[0] + offset * s[1] + h * s[2];
-                float scale;
-                if (static_scales) {
-                    scale = *scale_at;
-                } else {
-                    float amax = 0.0f;
-                    for (int64_t j = 0; j < d; ++j) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-                    scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-                    *scale_at = scale;
-                }
-                int8_t* dst = cache + block * c[0] + offset * c[1] + h * c[2];
-                for (int64_t j = 0; j < d; ++j) {
-                    float y = x[j] / scale;
-                    y = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y);
-                    dst[j] = (int8_t)nearbyintf(y);
-                }
-            }
-        }
-    }
 }
 
 /* One layer of a pure decode step over int8 pages in one call: this step's rows written
@@ -536,7 +455,7 @@ int servelab_write_decode_int8(const float* key, int64_t key_row_stride, const f
                                int64_t table_stride, const int32_t* seq_lens, int64_t rows, int64_t kv_heads,
                                int64_t group, int64_t head_size, int64_t block_size, int64_t window, float scale,
                                float* scores, int64_t width, float* out, int64_t num_threads) {
-    if (head_size > MAX_HEAD_SIZE) return -1;
+    if (head_size > MAX_HEAD_SIZE) return -1; /* before the write: a refused call changes nothing */
     servelab_write_kv_int8(key, key_row_stride, value, value_row_stride, k_cache, v_cache, cache_strides, k_scale,
                            v_scale, scale_strides, static_scales, slots, rows, kv_heads, head_size, block_size);
     return servelab_paged_decode_quant(q, q_row_stride, (const uint8_t*)k_cache, (const uint8_t*)v_cache,
