@@ -53,31 +53,53 @@ def test_c_kernel_matches_float64_oracle(case, window):
     _check(case, window, got)
 
 
-_PORTABLE = """
+_SECOND_BUILD = """
 import sys, torch
 from servelab.attention import cpu_kernel_build, cpu_decode_quant
-cpu_kernel_build.FLAG_SETS = (("-O3",),)  # no -march=native: the paths without AVX-512
+cpu_kernel_build.FLAG_SETS = (tuple(sys.argv[3].split()),)
 args = torch.load(sys.argv[1])
-assert "-march=native" not in cpu_kernel_build.load().flags
+assert cpu_kernel_build.load().flags == cpu_kernel_build.FLAG_SETS[0]
 torch.save([cpu_decode_quant.paged_decode(*a) for a in args], sys.argv[2])
 """
 
+#: name -> (flags, CPU features they need): builds beside the loaded library, each taking the paths its
+#: instructions have (the loaded library takes this CPU's best).
+_SECOND_BUILDS = {
+    "plain": ("-O3", set()),  # no vector extensions beyond SSE2: convert_row, score_tile, the 16-lane values
+    "avx2": ("-O3 -march=haswell", {"avx2", "fma"}),  # AVX2: keys transposed 32 columns at a time, 8-lane values
+}
 
-def test_portable_build_matches_float64_oracle(tmp_path):
-    """The library built with plain -O3 (no AVX-512: convert_row instead of the widening loads)
-    against the oracle: both paths, every format, a sliding window."""
-    cases = [(build_case(fmt, granularity, "layer_outermost", 2, 3, head_size, 16, [37, 5, 130], [1, 1, 1], 1.0,
+
+def _cpu_features() -> set[str]:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(flags.split(":", 1)[1].split())
+
+
+@pytest.mark.parametrize("build", sorted(_SECOND_BUILDS))
+def test_second_build_matches_float64_oracle(tmp_path, build):
+    """The library built with other flags (plain -O3; AVX2 without AVX-512) against the oracle: the
+    transposing and row-converting key paths (head sizes 64 / 128 and 48 / 16), the 8-lane and 16-lane
+    value paths, query-head groups of 1 to 5 (every block of heads), every format, a sliding window."""
+    flags, needs = _SECOND_BUILDS[build]
+    if not needs <= _cpu_features():
+        pytest.skip(f"this CPU lacks {sorted(needs - _cpu_features())} for the {build} build")
+    cases = [(build_case(fmt, granularity, "layer_outermost", 2, group, head_size, 16, [37, 5, 130], [1, 1, 1], 1.0,
                          seed), window)
-             for seed, (fmt, granularity, head_size, window) in enumerate(
-                 [("int8", "token_head", 64, None), ("fp8_e4m3", "head", 128, 33), ("fp8_e5m2", "token_head", 16, 5),
-                  ("int8", "tensor", 8, None)])]
+             for seed, (fmt, granularity, group, head_size, window) in enumerate(
+                 [("int8", "token_head", 3, 64, None), ("fp8_e4m3", "head", 3, 128, 33),
+                  ("fp8_e5m2", "token_head", 1, 16, 5), ("int8", "tensor", 3, 8, None),
+                  ("int8", "token_head", 4, 64, 5), ("int8", "head", 5, 48, None), ("fp8_e4m3", "token_head", 2, 256, None),
+                  ("fp8_e5m2", "token_head", 1, 64, None)])]
     # copies: the pages and scales are views of one buffer, which torch.save refuses to store twice
     args = [(*(t.clone() for t in (c.query, c.key_cache, c.value_cache, c.k_scale, c.v_scale, c.block_table,
                                    c.seq_lens)), c.query.shape[-1] ** -0.5, w) for c, w in cases]
     torch.save(args, tmp_path / "args.pt")
     env = {**os.environ, "SERVELAB_KERNEL_CACHE": str(tmp_path / "kernels")}
-    subprocess.run([sys.executable, "-c", _PORTABLE, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")], env=env,
-                   check=True, timeout=300, cwd=Path(__file__).parents[2])
+    subprocess.run([sys.executable, "-c", _SECOND_BUILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt"), flags],
+                   env=env, check=True, timeout=300, cwd=Path(__file__).parents[2])
     for (case, window), got in zip(cases, torch.load(tmp_path / "out.pt")):
         _check(case, window, got)
 

@@ -80,19 +80,45 @@ static inline vf exp_nonpositive16(vf x) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* exp_nonpositive on 8 lanes (AVX2): the same operations in the same order. */
+static inline vf8 exp_nonpositive8(vf8 x) {
+    x = (vf8)_mm256_max_ps((__m256)x, _mm256_set1_ps(-87.0f));
+    const vf8 n = (vf8)_mm256_round_ps((__m256)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf8)_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32((__m256)n), _mm256_set1_epi32(127)), 23);
+}
+#endif
+
 /* The largest of n floats in 16 lanes (a scalar max / sum is a chain of dependent operations the
  * compiler may not reorder: it was 11% of the kernel; the sum is made in softmax_rows the same way).
  * Fixed order: deterministic. */
 static inline float lanes_max(const float* x, int64_t n) {
-    vf m = vsplat(-INFINITY);
     int64_t i = 0;
+    float r = -INFINITY;
+#if defined(__AVX2__) && !defined(__AVX512F__) /* vmaxps on two halves (the compare-and-blend took 4 ops) */
+    __m256 lo = _mm256_set1_ps(-INFINITY), hi = lo;
+    for (; i + LANES <= n; i += LANES) {
+        lo = _mm256_max_ps(lo, _mm256_loadu_ps(x + i));
+        hi = _mm256_max_ps(hi, _mm256_loadu_ps(x + i + 8));
+    }
+    const vf8 m = (vf8)_mm256_max_ps(lo, hi);
+    for (int j = 0; j < 8; ++j) r = m[j] > r ? m[j] : r;
+#else
+    vf m = vsplat(-INFINITY);
     for (; i + LANES <= n; i += LANES) {
         const vf y = vload(x + i);
         const vu32 take = (vu32)(y > m);  /* lanes of all ones where y is larger (C has no vector ?:) */
         m = bits_to_vf((vf_to_bits(y) & take) | (vf_to_bits(m) & ~take));
     }
-    float r = -INFINITY;
     for (int j = 0; j < LANES; ++j) r = m[j] > r ? m[j] : r;
+#endif
     for (; i < n; ++i) r = x[i] > r ? x[i] : r;
     return r;
 }
@@ -112,6 +138,14 @@ static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin,
             const vf x = vload(sg + p) - vsplat(m);
             const vf e = bits_to_vf(vf_to_bits(exp_nonpositive16(x)) & (vu32)(x >= vsplat(-69.0f)));
             memcpy(sg + p, &e, sizeof(e));
+#elif defined(__AVX2__) /* two halves of 8 */
+            for (int64_t i = p; i < p + LANES; i += 8) {
+                const vf8 x = load8(sg + i) - m;
+                const vf8 e = (vf8)_mm256_and_ps((__m256)exp_nonpositive8(x),
+                                                 _mm256_cmp_ps((__m256)x, _mm256_set1_ps(-69.0f), _CMP_GE_OQ));
+                store8(sg + i, e);
+            }
+            const vf e = vload(sg + p);
 #else
             for (int64_t i = p; i < p + LANES; ++i) sg[i] = sg[i] - m < -69.0f ? 0.0f : exp_nonpositive(sg[i] - m);
             const vf e = vload(sg + p);
@@ -232,12 +266,24 @@ static inline __attribute__((always_inline)) void score_tile(const float* restri
     }
 }
 
+/* Query heads a tiled function takes at once, and 16-lane chunks of a value row it holds in registers:
+ * what fits the register file (32 vector registers with AVX-512, 16 with AVX2, where a 16-lane vector is
+ * two registers). */
+#ifdef __AVX512F__
+#define QUERY_BLOCK 4
+#define VALUE_CHUNKS 4
+#else
+#define QUERY_BLOCK 3
+#define VALUE_CHUNKS 2
+#endif
+
 #ifdef __AVX512BW__
-/* The transposing score path (AVX-512 BW): a tile's K rows transposed as bytes (transpose_bytes),
- * so each converted vector holds one column d of 16 positions, and a query head's 16 dot products
- * build up in one register as sum_d q[d] * column_d: no lane sums, q[d] broadcast from memory. On
- * SmolLM2 shapes (G = 3, D = 64) it made the kernel ~8% faster in cache than score_tile's transposing
- * tree. Dot products of GB (1..4) query heads in 4 chains each (chain c: columns col + 16 c + k). */
+/* The transposing score path (AVX-512 BW; AVX2 below): a tile's K rows transposed as bytes
+ * (transpose_bytes), so each converted vector holds one column d of 16 positions, and a query head's
+ * 16 dot products build up in one register as sum_d q[d] * column_d: no lane sums, q[d] broadcast from
+ * memory. On SmolLM2 shapes (G = 3, D = 64) it made the kernel ~8% faster in cache than score_tile's
+ * transposing tree. Dot products of GB (1..4) query heads in 4 chains each (chain c: columns col + 16 c
+ * + k), added (0 + 1) + (2 + 3); dots[g]: query head g's 16 dot products. */
 static inline __attribute__((always_inline)) void column_dots(const uint8_t* restrict columns, const float* restrict q,
                                                               int64_t gb, int64_t d, int64_t format, vf* restrict dots) {
     vf acc[4][4];
@@ -258,6 +304,43 @@ static inline __attribute__((always_inline)) void column_dots(const uint8_t* res
     for (int g = 0; g < 4; ++g)
         if (g < gb) dots[g] = (acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3]);
 }
+#elif defined(__AVX2__)
+/* column_dots with AVX2 (d % 32 == 0): 8-lane vectors throughout (gcc kept 16-lane accumulators on the
+ * stack: the kernel took 3x longer), each column of 16 positions converted as two halves; GB (1..3)
+ * query heads in 2 chains each (chain c: columns col + 16 c + k), added 0 + 1. */
+static inline __attribute__((always_inline)) void column_dots(const uint8_t* restrict columns, const float* restrict q,
+                                                              int64_t gb, int64_t d, int64_t format, vf* restrict dots) {
+    vf8 acc[3][2][2]; /* [query head][chain][positions 0-7, 8-15] */
+    for (int g = 0; g < 3; ++g)
+        for (int c = 0; c < 2; ++c) acc[g][c][0] = acc[g][c][1] = (vf8){0};
+    for (int64_t col = 0; col < d; col += 32)
+        for (int64_t k = 0; k < 16; ++k) {
+#pragma GCC unroll 2
+            for (int c = 0; c < 2; ++c) {
+                const __m128i raw = _mm_load_si128((const __m128i*)(columns + col * 16 + k * 32 + c * 16));
+                const vf8 lo = convert8(raw, format), hi = convert8(_mm_unpackhi_epi64(raw, raw), format);
+#pragma GCC unroll 3
+                for (int g = 0; g < 3; ++g)
+                    if (g < gb) {
+                        const float qd = q[g * d + col + 16 * c + k];
+                        const vf8 b = {qd, qd, qd, qd, qd, qd, qd, qd};
+                        acc[g][c][0] += b * lo;
+                        acc[g][c][1] += b * hi;
+                    }
+            }
+        }
+    for (int g = 0; g < 3; ++g)
+        if (g < gb) {
+            const vf8 lo = acc[g][0][0] + acc[g][1][0], hi = acc[g][0][1] + acc[g][1][1];
+            store8((float*)&dots[g], lo);
+            store8((float*)&dots[g] + 8, hi);
+        }
+}
+#endif
+
+#ifdef TRANSPOSED_KEYS
+/* Whether the transposing path takes head size d (AVX2 transposes 32 columns at a time). */
+#define TRANSPOSABLE(d) (COLUMN_BYTES == 64 || (d) % COLUMN_BYTES == 0)
 
 /* score_tile's result from the n (<= TILE) rows at addresses[0 .. n) (rows past n read as zeros). */
 static inline __attribute__((always_inline)) void score_tile_transposed(const float* restrict q,
@@ -273,25 +356,45 @@ static inline __attribute__((always_inline)) void score_tile_transposed(const fl
         rows[t] = t < n ? addresses[t] : zero_row;
         scales[t] = t < n ? k_scales[t] : 0.0f;
     }
-    for (int64_t col = 0; col < d; col += 64) transpose_bytes(rows, col, d - col, columns + col * 16);
+    for (int64_t col = 0; col < d; col += COLUMN_BYTES) transpose_bytes(rows, col, d - col, columns + col * 16);
     const vf factors = vsplat(factor) * vload(scales);
-    const __mmask16 keep = (__mmask16)((1u << n) - 1);
-    for (int64_t g0 = 0; g0 < group; g0 += 4) { /* query heads 4 at a time: at most 16 accumulators */
-        vf dots[4];
-        const int64_t gb = group - g0 < 4 ? group - g0 : 4;
-        if (gb == 4) column_dots(columns, q + g0 * d, 4, d, format, dots);
+    for (int64_t g0 = 0; g0 < group; g0 += QUERY_BLOCK) { /* at most 16 accumulators (AVX-512; AVX2: 6) */
+        vf dots[QUERY_BLOCK];
+        const int64_t gb = group - g0 < QUERY_BLOCK ? group - g0 : QUERY_BLOCK;
+        if (QUERY_BLOCK >= 4 && gb == 4) column_dots(columns, q + g0 * d, 4, d, format, dots);
         else if (gb == 3) column_dots(columns, q + g0 * d, 3, d, format, dots);
         else if (gb == 2) column_dots(columns, q + g0 * d, 2, d, format, dots);
         else column_dots(columns, q + g0 * d, 1, d, format, dots);
-        for (int64_t g = 0; g < gb; ++g)
-            _mm512_mask_storeu_ps(s + (g0 + g) * width + p, keep, (__m512)(dots[g] * factors));
+        for (int64_t g = 0; g < gb; ++g) {
+            const vf sums = dots[g] * factors;
+            if (n == TILE) memcpy(s + (g0 + g) * width + p, &sums, sizeof(sums));
+            else
+                for (int64_t t = 0; t < n; ++t) s[(g0 + g) * width + p + t] = sums[t];
+        }
     }
 }
 #endif
 
+/* w[g * TILE + t] = s[g * width + p + t] * v_scales[t] for t < n, 0 past n: a tile's softmax weights
+ * times its value scales, for GB query heads (a full tile 16 at once). */
+static inline __attribute__((always_inline)) void tile_weights(const float* restrict s, int64_t width, int64_t p,
+                                                               const float* restrict v_scales, int64_t n, int64_t gb,
+                                                               float* restrict w) {
+    if (n == TILE) {
+        const vf scales = vload(v_scales);
+        for (int64_t g = 0; g < gb; ++g) {
+            const vf x = vload(s + g * width + p) * scales;
+            memcpy(w + g * TILE, &x, sizeof(x));
+        }
+        return;
+    }
+    for (int64_t g = 0; g < gb; ++g)
+        for (int64_t t = 0; t < TILE; ++t) w[g * TILE + t] = t < n ? s[g * width + p + t] * v_scales[t] : 0.0f;
+}
+
 /* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, for
- * GB (1..4) query heads at once: each row chunk is loaded once for all GB heads, the output 4 chunks
- * at a time in registers, positions in increasing order (one chain per head and chunk). Loading the
+ * GB (1..QUERY_BLOCK) query heads at once: each row chunk is loaded once for all GB heads, the output
+ * VALUE_CHUNKS chunks at a time in registers, positions in increasing order (one chain per head and chunk). Loading the
  * rows once per head instead was 2-5% slower in the kernel on SmolLM2's shapes; the weights are
  * stored one by one (a vector store read back as broadcasts cost a store-forwarding stall: 9% of this
  * function in a micro-benchmark). Every tile runs all TILE positions (a fixed, unrolled loop: a
@@ -302,17 +405,16 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float* 
                                                                    int64_t p, int64_t gb, int64_t d,
                                                                    const float* restrict s, int64_t width,
                                                                    float* restrict out) {
-    float w[4 * TILE] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < gb; ++g)
-        for (int64_t t = 0; t < TILE; ++t) w[g * TILE + t] = t < n ? s[g * width + p + t] * v_scales[t] : 0.0f;
-    for (int64_t c0 = 0; c0 < d; c0 += 4 * LANES) {
-        const int64_t m = (d - c0) / LANES < 4 ? (d - c0) / LANES : 4;
-        vf acc[4][4];
+    float w[QUERY_BLOCK * TILE] __attribute__((aligned(64)));
+    tile_weights(s, width, p, v_scales, n, gb, w);
+    for (int64_t c0 = 0; c0 < d; c0 += VALUE_CHUNKS * LANES) {
+        const int64_t m = (d - c0) / LANES < VALUE_CHUNKS ? (d - c0) / LANES : VALUE_CHUNKS;
+        vf acc[QUERY_BLOCK][VALUE_CHUNKS];
         for (int64_t g = 0; g < gb; ++g)
             for (int64_t j = 0; j < m; ++j) acc[g][j] = vload(out + g * d + c0 + j * LANES);
 #pragma GCC unroll 16
         for (int64_t t = 0; t < TILE; ++t) {
-            vf x[4];
+            vf x[VALUE_CHUNKS];
             for (int64_t j = 0; j < m; ++j) x[j] = vload(rows + t * d + c0 + j * LANES);
             for (int64_t g = 0; g < gb; ++g) {
                 const vf wg = vsplat(w[g * TILE + t]);
@@ -324,17 +426,59 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float* 
     }
 }
 
-/* The values of a tile's n rows for all query heads, 4 at a time (rows past n zeros). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* accumulate_heads with AVX2 for d % 32 == 0: the same operations on 8-lane vectors (16-lane ones went
+ * through the stack), the output 32 values at a time in registers (3 heads x 4 vectors: 12 of the 16
+ * registers; a fixed 4, so gcc unrolls the loops and keeps them there). */
+static inline __attribute__((always_inline)) void accumulate_heads8(const float* restrict rows,
+                                                                    const float* restrict v_scales, int64_t n,
+                                                                    int64_t p, int64_t gb, int64_t d,
+                                                                    const float* restrict s, int64_t width,
+                                                                    float* restrict out) {
+    float w[3 * TILE] __attribute__((aligned(64)));
+    tile_weights(s, width, p, v_scales, n, gb, w);
+    for (int64_t c0 = 0; c0 < d; c0 += 32) {
+        vf8 acc[3][4];
+        for (int g = 0; g < 3; ++g)
+            if (g < gb)
+                for (int j = 0; j < 4; ++j) acc[g][j] = load8(out + g * d + c0 + 8 * j);
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < TILE; ++t) {
+            vf8 x[4];
+            for (int j = 0; j < 4; ++j) x[j] = load8(rows + t * d + c0 + 8 * j);
+            for (int g = 0; g < 3; ++g)
+                if (g < gb) {
+                    const float wt = w[g * TILE + t];
+                    const vf8 wg = {wt, wt, wt, wt, wt, wt, wt, wt};
+                    for (int j = 0; j < 4; ++j) acc[g][j] += wg * x[j];
+                }
+        }
+        for (int g = 0; g < 3; ++g)
+            if (g < gb)
+                for (int j = 0; j < 4; ++j) store8(out + g * d + c0 + 8 * j, acc[g][j]);
+    }
+}
+#define VALUES_BY_8(d) ((d) % 32 == 0)
+#else
+#define VALUES_BY_8(d) 0
+#define accumulate_heads8 accumulate_heads
+#endif
+
+/* The values of a tile's n rows for all query heads, QUERY_BLOCK at a time (rows past n zeros). */
 static inline __attribute__((always_inline)) void accumulate_tile(const float* restrict rows,
                                                                   const float* restrict v_scales, int64_t n,
                                                                   int64_t p, int64_t group, int64_t d,
                                                                   const float* restrict s, int64_t width,
                                                                   float* restrict out) {
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t gb = group - g0 < 4 ? group - g0 : 4;
+    for (int64_t g0 = 0; g0 < group; g0 += QUERY_BLOCK) {
+        const int64_t gb = group - g0 < QUERY_BLOCK ? group - g0 : QUERY_BLOCK;
         const float* sg = s + g0 * width;
         float* og = out + g0 * d;
-        if (gb == 4) accumulate_heads(rows, v_scales, n, p, 4, d, sg, width, og);
+        if (VALUES_BY_8(d)) { /* AVX2 (QUERY_BLOCK 3) */
+            if (gb == 3) accumulate_heads8(rows, v_scales, n, p, 3, d, sg, width, og);
+            else if (gb == 2) accumulate_heads8(rows, v_scales, n, p, 2, d, sg, width, og);
+            else accumulate_heads8(rows, v_scales, n, p, 1, d, sg, width, og);
+        } else if (QUERY_BLOCK >= 4 && gb == 4) accumulate_heads(rows, v_scales, n, p, 4, d, sg, width, og);
         else if (gb == 3) accumulate_heads(rows, v_scales, n, p, 3, d, sg, width, og);
         else if (gb == 2) accumulate_heads(rows, v_scales, n, p, 2, d, sg, width, og);
         else accumulate_heads(rows, v_scales, n, p, 1, d, sg, width, og);
@@ -366,8 +510,8 @@ static inline __attribute__((always_inline)) void attend_heads_tiled(
             walk_t head_w = w, head_ahead = ahead;  /* every head walks the same positions */
             for (int64_t j = 0; j < heads; ++j) {
                 head_w = w, head_ahead = ahead;
-#ifdef __AVX512BW__
-                if (pass == 0) {
+#ifdef TRANSPOSED_KEYS
+                if (pass == 0 && TRANSPOSABLE(d)) {
                     const uint8_t* addresses[TILE];
                     load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1],
                               &head_w, &head_ahead, table, p, n, len, d, block_size, format, rows, scales, addresses);

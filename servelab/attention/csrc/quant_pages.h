@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -107,11 +107,16 @@ static inline void walk_skip(walk_t* w, const int32_t* table, int64_t p, int64_t
     }
 }
 
-/* convert16: 16 stored values -> float32; convert_row16: convert_row over 16 values at a time (d % 16 == 0) with AVX-512 widening loads: int8 is one
- * sign extension and one int -> float conversion per 16 values; float8 the same field moves as
- * convert_row, the subnormal chosen by a lane mask. (Auto-vectorized, convert_row took half-width
- * vectors and a two-step sign extension; gcc 12 lowers __builtin_convertvector from 16 bytes to 16
- * ints element by element, hence the intrinsics.) Without AVX-512: convert_row. */
+/* convert16: 16 stored values -> float32; convert_row16: convert_row over 16 values at a time (d % 16
+ * == 0) with widening loads: int8 is one sign extension and one int -> float conversion per 16 (AVX-512)
+ * or 8 (AVX2) values; float8 the same field moves as convert_row, the subnormal chosen by a lane mask.
+ * (Auto-vectorized, convert_row took half-width vectors and a two-step sign extension; gcc 12 lowers
+ * __builtin_convertvector from 16 bytes to 16 ints element by element, hence the intrinsics.) With
+ * neither: convert_row. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define HAVE_CONVERT16 1
+#endif
+
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) vf convert16(__m128i raw, int64_t format) {
     if (format == 1) return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
@@ -124,14 +129,53 @@ static inline __attribute__((always_inline)) vf convert16(__m128i raw, int64_t f
     const vu32 is_normal = (vu32)(e != 0);
     return bits_to_vf((normal & is_normal) | (vf_to_bits(sub) & ~is_normal));
 }
+#elif defined(__AVX2__)
+typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+
+/* 8-float loads and stores as intrinsics: gcc turned a loop of memcpy's of vf8 into a byte-copy loop
+ * through the stack. */
+static inline __attribute__((always_inline)) vf8 load8(const float* p) { return (vf8)_mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) void store8(float* p, vf8 x) { _mm256_storeu_ps(p, (__m256)x); }
+
+/* The low 8 bytes of raw -> 8 floats (convert16's operations on half the lanes). */
+static inline __attribute__((always_inline)) vf8 convert8(__m128i raw, int64_t format) {
+    if (format == 1) return (vf8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    const vu32x8 b = (vu32x8)_mm256_cvtepu8_epi32(raw), sign = (b & 0x80) << 24;
+    const int e4 = format == 2;
+    const vu32x8 e = e4 ? (b >> 3) & 0xF : (b >> 2) & 0x1F, m = e4 ? b & 7 : b & 3;
+    const vu32x8 normal = e4 ? sign | ((e + 120) << 23) | (m << 20) : sign | ((e + 112) << 23) | (m << 21);
+    vf8 one, sub;
+    const vu32x8 one_bits = sign | 0x3F800000u;
+    memcpy(&one, &one_bits, sizeof(one));
+    sub = one * (vf8)_mm256_cvtepi32_ps((__m256i)m) * (e4 ? 0.001953125f : 1.52587890625e-05f); /* 2^-9, 2^-16 */
+    vu32x8 sub_bits, out;
+    memcpy(&sub_bits, &sub, sizeof(sub));
+    const vu32x8 is_normal = (vu32x8)(e != 0);
+    out = (normal & is_normal) | (sub_bits & ~is_normal);
+    vf8 f;
+    memcpy(&f, &out, sizeof(f));
+    return f;
+}
+
+static inline __attribute__((always_inline)) vf convert16(__m128i raw, int64_t format) {
+    const vf8 lo = convert8(raw, format), hi = convert8(_mm_unpackhi_epi64(raw, raw), format);
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 #endif
 
 static inline __attribute__((always_inline)) void convert_row16(const uint8_t* restrict src, float* restrict dst,
                                                                 int64_t d, int64_t format) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
     for (int64_t c = 0; c < d; c += LANES) {
         const vf x = convert16(_mm_loadu_si128((const __m128i*)(src + c)), format);
         memcpy(dst + c, &x, sizeof(x));
+    }
+#elif defined(__AVX2__) /* halves stored one by one: gcc builds a 16-lane vector of two halves on the stack */
+    for (int64_t c = 0; c < d; c += LANES) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(src + c));
+        const vf8 lo = convert8(raw, format), hi = convert8(_mm_unpackhi_epi64(raw, raw), format);
+        store8(dst + c, lo);
+        store8(dst + c + 8, hi);
     }
 #else
     convert_row(src, dst, d, format);
@@ -186,36 +230,70 @@ static inline __attribute__((always_inline)) void load_tile(const uint8_t* restr
     }
 }
 
+/* The transposing score path's byte transpose: COLUMN_BYTES (64 with AVX-512 BW, 32 with AVX2) bytes
+ * of 16 rows at a time. */
+#if defined(__AVX512BW__) || defined(__AVX2__)
+#define TRANSPOSED_KEYS 1
 #ifdef __AVX512BW__
+#define COLUMN_BYTES 64
+typedef __m512i vbytes;
+#define bytes_unpacklo8 _mm512_unpacklo_epi8
+#define bytes_unpackhi8 _mm512_unpackhi_epi8
+#define bytes_unpacklo16 _mm512_unpacklo_epi16
+#define bytes_unpackhi16 _mm512_unpackhi_epi16
+#define bytes_unpacklo32 _mm512_unpacklo_epi32
+#define bytes_unpackhi32 _mm512_unpackhi_epi32
+#define bytes_unpacklo64 _mm512_unpacklo_epi64
+#define bytes_unpackhi64 _mm512_unpackhi_epi64
+#define bytes_store(p, x) _mm512_store_si512((void*)(p), x)
+#else
+#define COLUMN_BYTES 32
+typedef __m256i vbytes;
+#define bytes_unpacklo8 _mm256_unpacklo_epi8
+#define bytes_unpackhi8 _mm256_unpackhi_epi8
+#define bytes_unpacklo16 _mm256_unpacklo_epi16
+#define bytes_unpackhi16 _mm256_unpackhi_epi16
+#define bytes_unpacklo32 _mm256_unpacklo_epi32
+#define bytes_unpackhi32 _mm256_unpackhi_epi32
+#define bytes_unpacklo64 _mm256_unpacklo_epi64
+#define bytes_unpackhi64 _mm256_unpackhi_epi64
+#define bytes_store(p, x) _mm256_store_si256((__m256i*)(p), x)
+#endif
 static const uint8_t zero_row[MAX_HEAD_SIZE] __attribute__((aligned(64)));
 
-/* Bytes [col, col + cols) of 16 rows (cols a multiple of 16, at most 64; the rest read as 0) transposed:
- * column col + 16 L + k, its 16 rows' bytes in row order, to out + 64 k + 16 L (out 64-byte aligned).
+/* Bytes [col, col + cols) of 16 rows transposed: column col + 16 L + k, its 16 rows' bytes in row order,
+ * to out + COLUMN_BYTES k + 16 L (out COLUMN_BYTES-aligned). cols is a multiple of 16: with AVX-512 BW at
+ * most 64 (the rest read as 0), with AVX2 a multiple of 32 (the caller's d % 32 == 0).
  * The classic network, within each 128-bit lane: bytes of row pairs interleaved, then 16-bit pairs,
- * then 32-bit, then 64-bit; 64 shuffles for 1024 bytes. */
+ * then 32-bit, then 64-bit; 64 shuffles for 16 COLUMN_BYTES bytes. */
 static inline __attribute__((always_inline)) void transpose_bytes(const uint8_t* const* rows, int64_t col,
                                                                   int64_t cols, uint8_t* restrict out) {
+    vbytes x[16], y[16];
+#ifdef __AVX512BW__
     const __mmask64 valid = cols >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cols) - 1);
-    __m512i x[16], y[16];
     for (int t = 0; t < 16; ++t) x[t] = _mm512_maskz_loadu_epi8(valid, rows[t] + col);
+#else
+    (void)cols;
+    for (int t = 0; t < 16; ++t) x[t] = _mm256_loadu_si256((const __m256i*)(rows[t] + col));
+#endif
     for (int i = 0; i < 8; ++i) { /* y[2i], y[2i + 1]: rows 2i, 2i + 1, bytes k < 8 / k >= 8 */
-        y[2 * i] = _mm512_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
-        y[2 * i + 1] = _mm512_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+        y[2 * i] = bytes_unpacklo8(x[2 * i], x[2 * i + 1]);
+        y[2 * i + 1] = bytes_unpackhi8(x[2 * i], x[2 * i + 1]);
     }
     for (int j = 0; j < 4; ++j) { /* x[4j + m]: rows 4j .. 4j + 3, bytes 4m .. 4m + 3 */
-        x[4 * j] = _mm512_unpacklo_epi16(y[4 * j], y[4 * j + 2]);
-        x[4 * j + 1] = _mm512_unpackhi_epi16(y[4 * j], y[4 * j + 2]);
-        x[4 * j + 2] = _mm512_unpacklo_epi16(y[4 * j + 1], y[4 * j + 3]);
-        x[4 * j + 3] = _mm512_unpackhi_epi16(y[4 * j + 1], y[4 * j + 3]);
+        x[4 * j] = bytes_unpacklo16(y[4 * j], y[4 * j + 2]);
+        x[4 * j + 1] = bytes_unpackhi16(y[4 * j], y[4 * j + 2]);
+        x[4 * j + 2] = bytes_unpacklo16(y[4 * j + 1], y[4 * j + 3]);
+        x[4 * j + 3] = bytes_unpackhi16(y[4 * j + 1], y[4 * j + 3]);
     }
     for (int u = 0; u < 2; ++u) /* y[8u + e]: rows 8u .. 8u + 7, bytes 2e, 2e + 1 */
         for (int m = 0; m < 4; ++m) {
-            y[8 * u + 2 * m] = _mm512_unpacklo_epi32(x[8 * u + m], x[8 * u + 4 + m]);
-            y[8 * u + 2 * m + 1] = _mm512_unpackhi_epi32(x[8 * u + m], x[8 * u + 4 + m]);
+            y[8 * u + 2 * m] = bytes_unpacklo32(x[8 * u + m], x[8 * u + 4 + m]);
+            y[8 * u + 2 * m + 1] = bytes_unpackhi32(x[8 * u + m], x[8 * u + 4 + m]);
         }
     for (int e = 0; e < 8; ++e) { /* byte k of every row */
-        _mm512_store_si512((void*)(out + 2 * e * 64), _mm512_unpacklo_epi64(y[e], y[8 + e]));
-        _mm512_store_si512((void*)(out + (2 * e + 1) * 64), _mm512_unpackhi_epi64(y[e], y[8 + e]));
+        bytes_store(out + 2 * e * COLUMN_BYTES, bytes_unpacklo64(y[e], y[8 + e]));
+        bytes_store(out + (2 * e + 1) * COLUMN_BYTES, bytes_unpackhi64(y[e], y[8 + e]));
     }
 }
 #endif
