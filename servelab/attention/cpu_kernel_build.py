@@ -61,7 +61,8 @@ SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                                "decode_glue.c", "argmax.c", "decode_attention_quant.c",
                                                "kv_write_int8.c"))
 #: Headers the sources include: not compiled on their own, but hashed with them.
-HEADERS: tuple[Path, ...] = (Path(__file__).with_name("csrc") / "quant_pages.h",)
+HEADERS: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
+                                 for name in ("quant_pages.h", "decode_quant_avx2.h"))
 ABI_VERSION = 14
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),

@@ -40,6 +40,7 @@
  * the last bits: the oracle test holds every build to the float64 reference.)
  */
 #include "quant_pages.h"
+#include "decode_quant_avx2.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -77,22 +78,6 @@ static inline vf exp_nonpositive16(vf x) {
     p = p * r + vsplat(5.0000001201e-1f);
     p = p * r * r + r + vsplat(1.0f);
     return p * bits_to_vf((vu32)(((__v16si)_mm512_cvtps_epi32((__m512)n) + 127) << 23));
-}
-#endif
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* exp_nonpositive on 8 lanes (AVX2): the same operations in the same order. */
-static inline vf8 exp_nonpositive8(vf8 x) {
-    x = (vf8)_mm256_max_ps((__m256)x, _mm256_set1_ps(-87.0f));
-    const vf8 n = (vf8)_mm256_round_ps((__m256)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vf8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vf8)_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32((__m256)n), _mm256_set1_epi32(127)), 23);
 }
 #endif
 
@@ -278,7 +263,7 @@ static inline __attribute__((always_inline)) void score_tile(const float* restri
 #endif
 
 #ifdef __AVX512BW__
-/* The transposing score path (AVX-512 BW; AVX2 below): a tile's K rows transposed as bytes
+/* The transposing score path (AVX-512 BW; AVX2: column_dots8 in decode_quant_avx2.h): a tile's K rows transposed as bytes
  * (transpose_bytes), so each converted vector holds one column d of 16 positions, and a query head's
  * 16 dot products build up in one register as sum_d q[d] * column_d: no lane sums, q[d] broadcast from
  * memory. On SmolLM2 shapes (G = 3, D = 64) it made the kernel ~8% faster in cache than score_tile's
@@ -304,38 +289,8 @@ static inline __attribute__((always_inline)) void column_dots(const uint8_t* res
     for (int g = 0; g < 4; ++g)
         if (g < gb) dots[g] = (acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3]);
 }
-#elif defined(__AVX2__)
-/* column_dots with AVX2 (d % 32 == 0): 8-lane vectors throughout (gcc kept 16-lane accumulators on the
- * stack: the kernel took 3x longer), each column of 16 positions converted as two halves; GB (1..3)
- * query heads in 2 chains each (chain c: columns col + 16 c + k), added 0 + 1. */
-static inline __attribute__((always_inline)) void column_dots(const uint8_t* restrict columns, const float* restrict q,
-                                                              int64_t gb, int64_t d, int64_t format, vf* restrict dots) {
-    vf8 acc[3][2][2]; /* [query head][chain][positions 0-7, 8-15] */
-    for (int g = 0; g < 3; ++g)
-        for (int c = 0; c < 2; ++c) acc[g][c][0] = acc[g][c][1] = (vf8){0};
-    for (int64_t col = 0; col < d; col += 32)
-        for (int64_t k = 0; k < 16; ++k) {
-#pragma GCC unroll 2
-            for (int c = 0; c < 2; ++c) {
-                const __m128i raw = _mm_load_si128((const __m128i*)(columns + col * 16 + k * 32 + c * 16));
-                const vf8 lo = convert8(raw, format), hi = convert8(_mm_unpackhi_epi64(raw, raw), format);
-#pragma GCC unroll 3
-                for (int g = 0; g < 3; ++g)
-                    if (g < gb) {
-                        const float qd = q[g * d + col + 16 * c + k];
-                        const vf8 b = {qd, qd, qd, qd, qd, qd, qd, qd};
-                        acc[g][c][0] += b * lo;
-                        acc[g][c][1] += b * hi;
-                    }
-            }
-        }
-    for (int g = 0; g < 3; ++g)
-        if (g < gb) {
-            const vf8 lo = acc[g][0][0] + acc[g][1][0], hi = acc[g][0][1] + acc[g][1][1];
-            store8((float*)&dots[g], lo);
-            store8((float*)&dots[g] + 8, hi);
-        }
-}
+#elif defined(TRANSPOSED_KEYS) /* AVX2 without AVX-512: decode_quant_avx2.h */
+#define column_dots column_dots8
 #endif
 
 #ifdef TRANSPOSED_KEYS
@@ -375,23 +330,6 @@ static inline __attribute__((always_inline)) void score_tile_transposed(const fl
 }
 #endif
 
-/* w[g * TILE + t] = s[g * width + p + t] * v_scales[t] for t < n, 0 past n: a tile's softmax weights
- * times its value scales, for GB query heads (a full tile 16 at once). */
-static inline __attribute__((always_inline)) void tile_weights(const float* restrict s, int64_t width, int64_t p,
-                                                               const float* restrict v_scales, int64_t n, int64_t gb,
-                                                               float* restrict w) {
-    if (n == TILE) {
-        const vf scales = vload(v_scales);
-        for (int64_t g = 0; g < gb; ++g) {
-            const vf x = vload(s + g * width + p) * scales;
-            memcpy(w + g * TILE, &x, sizeof(x));
-        }
-        return;
-    }
-    for (int64_t g = 0; g < gb; ++g)
-        for (int64_t t = 0; t < TILE; ++t) w[g * TILE + t] = t < n ? s[g * width + p + t] * v_scales[t] : 0.0f;
-}
-
 /* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, for
  * GB (1..QUERY_BLOCK) query heads at once: each row chunk is loaded once for all GB heads, the output
  * VALUE_CHUNKS chunks at a time in registers, positions in increasing order (one chain per head and chunk). Loading the
@@ -426,38 +364,7 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float* 
     }
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* accumulate_heads with AVX2 for d % 32 == 0: the same operations on 8-lane vectors (16-lane ones went
- * through the stack), the output 32 values at a time in registers (3 heads x 4 vectors: 12 of the 16
- * registers; a fixed 4, so gcc unrolls the loops and keeps them there). */
-static inline __attribute__((always_inline)) void accumulate_heads8(const float* restrict rows,
-                                                                    const float* restrict v_scales, int64_t n,
-                                                                    int64_t p, int64_t gb, int64_t d,
-                                                                    const float* restrict s, int64_t width,
-                                                                    float* restrict out) {
-    float w[3 * TILE] __attribute__((aligned(64)));
-    tile_weights(s, width, p, v_scales, n, gb, w);
-    for (int64_t c0 = 0; c0 < d; c0 += 32) {
-        vf8 acc[3][4];
-        for (int g = 0; g < 3; ++g)
-            if (g < gb)
-                for (int j = 0; j < 4; ++j) acc[g][j] = load8(out + g * d + c0 + 8 * j);
-#pragma GCC unroll 16
-        for (int64_t t = 0; t < TILE; ++t) {
-            vf8 x[4];
-            for (int j = 0; j < 4; ++j) x[j] = load8(rows + t * d + c0 + 8 * j);
-            for (int g = 0; g < 3; ++g)
-                if (g < gb) {
-                    const float wt = w[g * TILE + t];
-                    const vf8 wg = {wt, wt, wt, wt, wt, wt, wt, wt};
-                    for (int j = 0; j < 4; ++j) acc[g][j] += wg * x[j];
-                }
-        }
-        for (int g = 0; g < 3; ++g)
-            if (g < gb)
-                for (int j = 0; j < 4; ++j) store8(out + g * d + c0 + 8 * j, acc[g][j]);
-    }
-}
+#if defined(__AVX2__) && !defined(__AVX512F__) /* decode_quant_avx2.h */
 #define VALUES_BY_8(d) ((d) % 32 == 0)
 #else
 #define VALUES_BY_8(d) 0

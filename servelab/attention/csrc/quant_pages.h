@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) void load_tile(const uint8_t* restr
 
 /* The transposing score path's byte transpose: COLUMN_BYTES (64 with AVX-512 BW, 32 with AVX2) bytes
  * of 16 rows at a time. */
-#if defined(__AVX512BW__) || defined(__AVX2__)
+#if defined(__AVX512BW__) || (defined(__AVX2__) && !defined(__AVX512F__))
 #define TRANSPOSED_KEYS 1
 #ifdef __AVX512BW__
 #define COLUMN_BYTES 64
@@ -297,6 +297,23 @@ static inline __attribute__((always_inline)) void transpose_bytes(const uint8_t*
     }
 }
 #endif
+
+/* w[g * TILE + t] = s[g * width + p + t] * v_scales[t] for t < n, 0 past n: a tile's softmax weights
+ * times its value scales, for GB query heads (a full tile 16 at once). */
+static inline __attribute__((always_inline)) void tile_weights(const float* restrict s, int64_t width, int64_t p,
+                                                               const float* restrict v_scales, int64_t n, int64_t gb,
+                                                               float* restrict w) {
+    if (n == TILE) {
+        const vf scales = vload(v_scales);
+        for (int64_t g = 0; g < gb; ++g) {
+            const vf x = vload(s + g * width + p) * scales;
+            memcpy(w + g * TILE, &x, sizeof(x));
+        }
+        return;
+    }
+    for (int64_t g = 0; g < gb; ++g)
+        for (int64_t t = 0; t < TILE; ++t) w[g * TILE + t] = t < n ? s[g * width + p + t] * v_scales[t] : 0.0f;
+}
 
 /* The quantizing int8 cache write (kv_write_int8.c). */
 void servelab_write_kv_int8(const float* key, int64_t key_row_stride, const float* value, int64_t value_row_stride,
