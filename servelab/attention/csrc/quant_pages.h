@@ -144,17 +144,11 @@ static inline __attribute__((always_inline)) vf8 convert8(__m128i raw, int64_t f
     const int e4 = format == 2;
     const vu32x8 e = e4 ? (b >> 3) & 0xF : (b >> 2) & 0x1F, m = e4 ? b & 7 : b & 3;
     const vu32x8 normal = e4 ? sign | ((e + 120) << 23) | (m << 20) : sign | ((e + 112) << 23) | (m << 21);
-    vf8 one, sub;
-    const vu32x8 one_bits = sign | 0x3F800000u;
-    memcpy(&one, &one_bits, sizeof(one));
-    sub = one * (vf8)_mm256_cvtepi32_ps((__m256i)m) * (e4 ? 0.001953125f : 1.52587890625e-05f); /* 2^-9, 2^-16 */
-    vu32x8 sub_bits, out;
-    memcpy(&sub_bits, &sub, sizeof(sub));
+    /* a vector cast between vectors of one size keeps the bits (as bits_to_vf does for 16 lanes) */
+    const vf8 sub = (vf8)(sign | 0x3F800000u) * (vf8)_mm256_cvtepi32_ps((__m256i)m)
+                    * (e4 ? 0.001953125f : 1.52587890625e-05f); /* 2^-9, 2^-16 */
     const vu32x8 is_normal = (vu32x8)(e != 0);
-    out = (normal & is_normal) | (sub_bits & ~is_normal);
-    vf8 f;
-    memcpy(&f, &out, sizeof(f));
-    return f;
+    return (vf8)((normal & is_normal) | ((vu32x8)sub & ~is_normal));
 }
 
 static inline __attribute__((always_inline)) vf convert16(__m128i raw, int64_t format) {
