@@ -13,8 +13,8 @@
  * are multiples of 16 take the tiled path (attend_heads_tiled: a row's KV heads tile by tile, 16
  * positions at a time; with AVX-512 BW the K rows transposed as bytes so a register holds one
  * column of 16 positions, else converted rows and one transposing lane sum per 16 dot products;
- * output chunks in registers, rows prefetched ahead); others the row path (attend_head_rows: one
- * row at a time).
+ * output chunks in registers, with AVX2 the value rows' bytes converted where they are used; rows
+ * prefetched ahead); others the row path (attend_head_rows: one row at a time).
  *
  * Layouts:
  *   q        float32, row r, query head j = h * G + g at q + r * q_row_stride + j * D
@@ -118,19 +118,28 @@ static inline void softmax_rows(float* restrict s, int64_t width, int64_t begin,
          * and their products with small scales would be denormals, which are slow on x86 */
         int64_t p = begin;
         vf sum = vsplat(0.0f); /* summed as they are made: 16 lanes, in order, then the fixed tree */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* two halves of 8, their sums in two registers (a 16-lane sum went through the stack every
+         * 16 scores: the softmax took a third of the kernel's time outside its dot products) */
+        vf8 sum_lo = {0}, sum_hi = {0};
+        for (; p + LANES <= len; p += LANES) {
+            const vf8 x_lo = load8(sg + p) - m, x_hi = load8(sg + p + 8) - m;
+            const vf8 e_lo = (vf8)_mm256_and_ps((__m256)exp_nonpositive8(x_lo),
+                                                _mm256_cmp_ps((__m256)x_lo, _mm256_set1_ps(-69.0f), _CMP_GE_OQ));
+            const vf8 e_hi = (vf8)_mm256_and_ps((__m256)exp_nonpositive8(x_hi),
+                                                _mm256_cmp_ps((__m256)x_hi, _mm256_set1_ps(-69.0f), _CMP_GE_OQ));
+            store8(sg + p, e_lo);
+            store8(sg + p + 8, e_hi);
+            sum_lo += e_lo;
+            sum_hi += e_hi;
+        }
+        sum = __builtin_shufflevector(sum_lo, sum_hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
         for (; p + LANES <= len; p += LANES) {
 #ifdef __AVX512F__ /* 16 at once (gcc vectorized the scalar loop 8 wide) */
             const vf x = vload(sg + p) - vsplat(m);
             const vf e = bits_to_vf(vf_to_bits(exp_nonpositive16(x)) & (vu32)(x >= vsplat(-69.0f)));
             memcpy(sg + p, &e, sizeof(e));
-#elif defined(__AVX2__) /* two halves of 8 */
-            for (int64_t i = p; i < p + LANES; i += 8) {
-                const vf8 x = load8(sg + i) - m;
-                const vf8 e = (vf8)_mm256_and_ps((__m256)exp_nonpositive8(x),
-                                                 _mm256_cmp_ps((__m256)x, _mm256_set1_ps(-69.0f), _CMP_GE_OQ));
-                store8(sg + i, e);
-            }
-            const vf e = vload(sg + p);
 #else
             for (int64_t i = p; i < p + LANES; ++i) sg[i] = sg[i] - m < -69.0f ? 0.0f : exp_nonpositive(sg[i] - m);
             const vf e = vload(sg + p);
@@ -328,6 +337,8 @@ static inline __attribute__((always_inline)) void score_tile_transposed(const fl
         }
     }
 }
+#else
+#define TRANSPOSABLE(d) 0
 #endif
 
 /* out_g += sum_t (s[g * width + p + t] * v_scale[t]) * row_t over the n (<= TILE) rows of a tile, for
@@ -364,11 +375,9 @@ static inline __attribute__((always_inline)) void accumulate_heads(const float* 
     }
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__) /* decode_quant_avx2.h */
-#define VALUES_BY_8(d) ((d) % 32 == 0)
-#else
-#define VALUES_BY_8(d) 0
-#define accumulate_heads8 accumulate_heads
+#ifndef VALUES_FROM_BYTES /* AVX2: values straight from the rows' bytes (decode_quant_avx2.h) */
+#define VALUES_FROM_BYTES(d) 0
+#define accumulate_tile_bytes8(...) ((void)0)
 #endif
 
 /* The values of a tile's n rows for all query heads, QUERY_BLOCK at a time (rows past n zeros). */
@@ -381,11 +390,7 @@ static inline __attribute__((always_inline)) void accumulate_tile(const float* r
         const int64_t gb = group - g0 < QUERY_BLOCK ? group - g0 : QUERY_BLOCK;
         const float* sg = s + g0 * width;
         float* og = out + g0 * d;
-        if (VALUES_BY_8(d)) { /* AVX2 (QUERY_BLOCK 3) */
-            if (gb == 3) accumulate_heads8(rows, v_scales, n, p, 3, d, sg, width, og);
-            else if (gb == 2) accumulate_heads8(rows, v_scales, n, p, 2, d, sg, width, og);
-            else accumulate_heads8(rows, v_scales, n, p, 1, d, sg, width, og);
-        } else if (QUERY_BLOCK >= 4 && gb == 4) accumulate_heads(rows, v_scales, n, p, 4, d, sg, width, og);
+        if (QUERY_BLOCK >= 4 && gb == 4) accumulate_heads(rows, v_scales, n, p, 4, d, sg, width, og);
         else if (gb == 3) accumulate_heads(rows, v_scales, n, p, 3, d, sg, width, og);
         else if (gb == 2) accumulate_heads(rows, v_scales, n, p, 2, d, sg, width, og);
         else accumulate_heads(rows, v_scales, n, p, 1, d, sg, width, og);
@@ -417,18 +422,26 @@ static inline __attribute__((always_inline)) void attend_heads_tiled(
             walk_t head_w = w, head_ahead = ahead;  /* every head walks the same positions */
             for (int64_t j = 0; j < heads; ++j) {
                 head_w = w, head_ahead = ahead;
+                /* the paths that read the rows' bytes in place take their addresses, the others the rows
+                 * converted into `rows` */
+                const uint8_t* addresses[TILE];
+                const int in_place = pass == 0 ? TRANSPOSABLE(d) : VALUES_FROM_BYTES(d);
+                load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1], &head_w,
+                          &head_ahead, table, p, n, len, d, block_size, format, rows, scales,
+                          in_place ? addresses : NULL);
 #ifdef TRANSPOSED_KEYS
-                if (pass == 0 && TRANSPOSABLE(d)) {
-                    const uint8_t* addresses[TILE];
-                    load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1],
-                              &head_w, &head_ahead, table, p, n, len, d, block_size, format, rows, scales, addresses);
+                if (pass == 0 && in_place) {
                     score_tile_transposed(q + j * group * d, addresses, scales, n, p, group, d, format, scale,
                                           s + j * group * width, width);
                     continue;
                 }
 #endif
-                load_tile(cache + (h + j) * c[2], c[0], c[1], cache_scales + (h + j) * t[2], t[0], t[1], &head_w,
-                          &head_ahead, table, p, n, len, d, block_size, format, rows, scales, NULL);
+                if (pass == 1 && in_place) {
+                    for (int64_t x = n; x < TILE; ++x) addresses[x] = zero_row; /* zero weights times zeros */
+                    accumulate_tile_bytes8(addresses, scales, n, p, group, d, format, s + j * group * width, width,
+                                           out + j * group * d);
+                    continue;
+                }
                 if (pass == 0)
                     score_tile(q + j * group * d, rows, scales, n, p, group, d, scale, s + j * group * width, width);
                 else {

@@ -4,7 +4,7 @@
  * arrays of them (the accumulators of a tile) on the stack: the first AVX2 build of the transposed
  * keys took 1.9x the float32 kernel. These are the same operations, in the same order, on 8-lane
  * vectors with the loops fixed so the accumulators stay in the 16 registers: the key columns' dot
- * products (column_dots8), the values (accumulate_heads8), the exponentials (exp_nonpositive8).
+ * products (column_dots8), the values (accumulate_bytes8), the exponentials (exp_nonpositive8).
  * (The build hashes this file with the sources.)
  */
 #ifndef SERVELAB_DECODE_QUANT_AVX2_H
@@ -40,8 +40,11 @@ static inline __attribute__((always_inline)) void column_dots8(const uint8_t* re
         for (int64_t k = 0; k < 16; ++k) {
 #pragma GCC unroll 2
             for (int c = 0; c < 2; ++c) {
-                const __m128i raw = _mm_load_si128((const __m128i*)(columns + col * 16 + k * 32 + c * 16));
-                const vf8 lo = convert8(raw, format), hi = convert8(_mm_unpackhi_epi64(raw, raw), format);
+                /* each half widened straight from memory (a 16-byte load and an unpack took one more
+                 * shuffle per 8 values, on the pipes the widening uses) */
+                const uint8_t* column = columns + col * 16 + k * 32 + c * 16;
+                const vf8 lo = convert8(_mm_loadl_epi64((const __m128i*)column), format),
+                          hi = convert8(_mm_loadl_epi64((const __m128i*)(column + 8)), format);
 #pragma GCC unroll 3
                 for (int g = 0; g < 3; ++g)
                     if (g < gb) {
@@ -61,12 +64,15 @@ static inline __attribute__((always_inline)) void column_dots8(const uint8_t* re
 }
 #endif
 
-/* accumulate_heads with AVX2 for d % 32 == 0: the same operations on 8-lane vectors (16-lane ones went
- * through the stack), the output 32 values at a time in registers (3 heads x 4 vectors: 12 of the 16
- * registers; a fixed 4, so gcc unrolls the loops and keeps them there). */
-static inline __attribute__((always_inline)) void accumulate_heads8(const float* restrict rows,
+/* accumulate_heads with AVX2 for d % 32 == 0, straight from the rows' bytes: rows[t] is position
+ * p + t's row of d stored values (rows past n point at zeros, their weights are 0). The same products
+ * in the same order as accumulate_heads (so the same bits), on 8-lane vectors, the output 32 values at a
+ * time in registers (3 heads x 4 vectors: 12 of the 16 registers), each 8 bytes widened and converted
+ * where they are used. (Converted into a float32 tile first, the tile's stores took a third of the value
+ * pass: a 256-bit store per 8 values, one per cycle.) */
+static inline __attribute__((always_inline)) void accumulate_bytes8(const uint8_t* const* rows,
                                                                     const float* restrict v_scales, int64_t n,
-                                                                    int64_t p, int64_t gb, int64_t d,
+                                                                    int64_t p, int64_t gb, int64_t d, int64_t format,
                                                                     const float* restrict s, int64_t width,
                                                                     float* restrict out) {
     float w[3 * TILE] __attribute__((aligned(64)));
@@ -76,22 +82,40 @@ static inline __attribute__((always_inline)) void accumulate_heads8(const float*
         for (int g = 0; g < 3; ++g)
             if (g < gb)
                 for (int j = 0; j < 4; ++j) acc[g][j] = load8(out + g * d + c0 + 8 * j);
-#pragma GCC unroll 16
+        /* unrolled by 4, not 16: fully unrolled, gcc kept the 48 weights' addresses on the stack (~20%
+         * slower in a micro-benchmark) */
+#pragma GCC unroll 4
         for (int64_t t = 0; t < TILE; ++t) {
-            vf8 x[4];
-            for (int j = 0; j < 4; ++j) x[j] = load8(rows + t * d + c0 + 8 * j);
+            const uint8_t* row = rows[t] + c0;
+            vf8 weight[3];
             for (int g = 0; g < 3; ++g)
-                if (g < gb) {
-                    const float wt = w[g * TILE + t];
-                    const vf8 wg = {wt, wt, wt, wt, wt, wt, wt, wt};
-                    for (int j = 0; j < 4; ++j) acc[g][j] += wg * x[j];
-                }
+                if (g < gb) weight[g] = (vf8)_mm256_broadcast_ss(w + g * TILE + t);
+            for (int j = 0; j < 4; ++j) {
+                const vf8 x = convert8(_mm_loadl_epi64((const __m128i*)(row + 8 * j)), format);
+                for (int g = 0; g < 3; ++g)
+                    if (g < gb) acc[g][j] += weight[g] * x;
+            }
         }
         for (int g = 0; g < 3; ++g)
             if (g < gb)
                 for (int j = 0; j < 4; ++j) store8(out + g * d + c0 + 8 * j, acc[g][j]);
     }
 }
+
+/* The values of a tile for all query heads, 3 at a time (accumulate_tile from the rows' bytes). */
+static inline __attribute__((always_inline)) void accumulate_tile_bytes8(const uint8_t* const* rows,
+                                                                         const float* restrict v_scales, int64_t n,
+                                                                         int64_t p, int64_t group, int64_t d,
+                                                                         int64_t format, const float* restrict s,
+                                                                         int64_t width, float* restrict out) {
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t gb = group - g0 < 3 ? group - g0 : 3;
+        if (gb == 3) accumulate_bytes8(rows, v_scales, n, p, 3, d, format, s + g0 * width, width, out + g0 * d);
+        else if (gb == 2) accumulate_bytes8(rows, v_scales, n, p, 2, d, format, s + g0 * width, width, out + g0 * d);
+        else accumulate_bytes8(rows, v_scales, n, p, 1, d, format, s + g0 * width, width, out + g0 * d);
+    }
+}
+#define VALUES_FROM_BYTES(d) ((d) % 32 == 0)
 #endif
 
 #endif /* SERVELAB_DECODE_QUANT_AVX2_H */

@@ -80,6 +80,9 @@ static inline vu32 vf_to_bits(vf x) { vu32 u; memcpy(&u, &x, sizeof(u)); return 
 
 #define TILE 16 /* positions a tile holds */
 
+/* A row of zeros: what the paths reading rows in place read past a partial tile's end. */
+static const uint8_t zero_row[MAX_HEAD_SIZE] __attribute__((aligned(64)));
+
 typedef struct { int64_t index, offset, block; } walk_t; /* a position's table index, offset and block */
 
 static inline walk_t walk_start(const int32_t* table, int64_t p, int64_t block_size) {
@@ -253,7 +256,6 @@ typedef __m256i vbytes;
 #define bytes_unpackhi64 _mm256_unpackhi_epi64
 #define bytes_store(p, x) _mm256_store_si256((__m256i*)(p), x)
 #endif
-static const uint8_t zero_row[MAX_HEAD_SIZE] __attribute__((aligned(64)));
 
 /* Bytes [col, col + cols) of 16 rows transposed: column col + 16 L + k, its 16 rows' bytes in row order,
  * to out + COLUMN_BYTES k + 16 L (out COLUMN_BYTES-aligned). cols is a multiple of 16: with AVX-512 BW at
