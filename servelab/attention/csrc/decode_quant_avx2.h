@@ -37,6 +37,8 @@ static inline __attribute__((always_inline)) void column_dots8(const uint8_t* re
     for (int g = 0; g < 3; ++g)
         for (int c = 0; c < 2; ++c) acc[g][c][0] = acc[g][c][1] = (vf8){0};
     for (int64_t col = 0; col < d; col += 32)
+        /* by 2 (not by 4, which was 6-9% slower): 1.5-4% faster in the kernel */
+#pragma GCC unroll 2
         for (int64_t k = 0; k < 16; ++k) {
 #pragma GCC unroll 2
             for (int c = 0; c < 2; ++c) {
