@@ -5,9 +5,10 @@ of :mod:`servelab.attention.cpu_kernel_build`).
 The ``"sdpa"`` backend calls it for a pure decode step (one query row per sequence) over int8 /
 float8 pages (:mod:`servelab.blocks.kv_quant`): each head reads its positions from the pages
 through the block table (1 byte per element plus one float32 scale per token and head), converts
-16 rows at a time into a float32 tile in L1 (int8 by a cast, float8 by integer field moves: fp8 ->
-fp32 in C; head sizes that are not a multiple of 16: one row at a time) and never makes a
-dequantized copy of the cache; the carried dense K/V of :mod:`servelab.attention.decode_kv`
+them to float32 16 positions at a time (int8 by a cast, float8 by integer field moves: fp8 -> fp32
+in C), in registers where the CPU allows (keys transposed as bytes with AVX-512 BW or AVX2, values
+read in place with AVX2), else through a float32 tile in L1 (head sizes that are not a multiple of
+16: one row at a time), and never makes a dequantized copy of the cache; the carried dense K/V of :mod:`servelab.attention.decode_kv`
 is not used over quantized pages (it would be a float32 copy of the context, the very read the
 quantization removes). Other steps (prompts, chunks, trees) take the gathered path of
 :mod:`servelab.attention.sdpa`, dequantizing each group's gathered K/V.
