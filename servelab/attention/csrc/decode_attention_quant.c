@@ -306,7 +306,8 @@ static inline __attribute__((always_inline)) void column_dots(const uint8_t* res
 /* Whether the transposing path takes head size d (AVX2 transposes 32 columns at a time). */
 #define TRANSPOSABLE(d) (COLUMN_BYTES == 64 || (d) % COLUMN_BYTES == 0)
 
-/* score_tile's result from the n (<= TILE) rows at addresses[0 .. n) (rows past n read as zeros). */
+/* score_tile's result from the TILE rows at addresses and their k_scales (load_tile's: past n, zero_row
+ * with scale 0). */
 static inline __attribute__((always_inline)) void score_tile_transposed(const float* restrict q,
                                                                         const uint8_t* const* addresses,
                                                                         const float* restrict k_scales, int64_t n,
@@ -314,14 +315,8 @@ static inline __attribute__((always_inline)) void score_tile_transposed(const fl
                                                                         int64_t format, float factor,
                                                                         float* restrict s, int64_t width) {
     uint8_t columns[TILE * MAX_HEAD_SIZE] __attribute__((aligned(64)));
-    const uint8_t* rows[TILE];
-    float scales[TILE];
-    for (int t = 0; t < TILE; ++t) {
-        rows[t] = t < n ? addresses[t] : zero_row;
-        scales[t] = t < n ? k_scales[t] : 0.0f;
-    }
-    for (int64_t col = 0; col < d; col += COLUMN_BYTES) transpose_bytes(rows, col, d - col, columns + col * 16);
-    const vf factors = vsplat(factor) * vload(scales);
+    for (int64_t col = 0; col < d; col += COLUMN_BYTES) transpose_bytes(addresses, col, d - col, columns + col * 16);
+    const vf factors = vsplat(factor) * vload(k_scales);
     for (int64_t g0 = 0; g0 < group; g0 += QUERY_BLOCK) { /* at most 16 accumulators (AVX-512; AVX2: 6) */
         vf dots[QUERY_BLOCK];
         const int64_t gb = group - g0 < QUERY_BLOCK ? group - g0 : QUERY_BLOCK;
@@ -437,7 +432,6 @@ static inline __attribute__((always_inline)) void attend_heads_tiled(
                 }
 #endif
                 if (pass == 1 && in_place) {
-                    for (int64_t x = n; x < TILE; ++x) addresses[x] = zero_row; /* zero weights times zeros */
                     accumulate_tile_bytes8(addresses, scales, n, p, group, d, format, s + j * group * width, width,
                                            out + j * group * d);
                     continue;

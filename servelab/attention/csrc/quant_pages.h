@@ -180,7 +180,8 @@ static inline __attribute__((always_inline)) void convert_row16(const uint8_t* r
 }
 
 /* Convert the n (<= TILE) rows of positions [p, p + n) to float32 rows of `d` in `rows` (or, with
- * `addresses`, store the rows' addresses there instead), and their scales to `scales`; w walks on to
+ * `addresses`, store the rows' addresses there instead, zero_row and scale 0 past n up to TILE), and
+ * their scales to `scales`; w walks on to
  * position p + n. `ahead` walks PREFETCH positions in front and
  * asks for their rows: a head's rows are d bytes every s_s (the other heads between them) and one
  * block's rows are not next to the next block's, a pattern the hardware prefetcher left mostly
@@ -192,6 +193,8 @@ static inline __attribute__((always_inline)) void load_tile(const uint8_t* restr
                                                             int64_t n, int64_t len, int64_t d, int64_t block_size,
                                                             int64_t format, float* restrict rows,
                                                             float* restrict scales, const uint8_t** addresses) {
+    if (addresses) /* the in-place paths read whole tiles: past n, rows of zeros with zero scales */
+        for (int64_t t = n; t < TILE; ++t) addresses[t] = zero_row, scales[t] = 0.0f;
     if (w->offset + n <= block_size && ahead->offset + n <= block_size && p + n + PREFETCH <= len) {
         /* the tile and the one PREFETCH ahead each within one block (the common case): rows s_s
          * apart, no table walk per position */
