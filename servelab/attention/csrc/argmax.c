@@ -9,8 +9,8 @@
  * Why: torch's CPU argmax over a large vocabulary runs at a fraction of the
  * read rate: SmolLM2's 16 x 49,152 logits took ~1.2 ms on one core of a Zen 4
  * VM, where amax over the same tensor takes ~55 us and this pass ~85 us;
- * about 1.5% of a batch-16 decode step. One pass keeps, in each of 64 lanes
- * (positions i % 64, four vectors of 16 side by side so that no single
+ * about 1.5% of a batch-16 decode step. One pass keeps, in each of 4 x ARGMAX_LANES lanes
+ * (positions i % (4 x ARGMAX_LANES), four vectors side by side so that no single
  * compare-and-blend chain sets the pace: one chain ran at 150 us), the lane's
  * largest value and the first position holding it (a strict >, so a later
  * equal value never replaces it), and whether a NaN was seen; the lanes are
@@ -34,12 +34,22 @@
 #include <omp.h>
 #endif
 
+/* One vector register of lanes: 16 with AVX-512, 8 with AVX, else 4. A 16-lane vector on AVX2 is two
+ * registers, and the four chains' values, positions and counters (24 ymm) no longer fit in
+ * AVX2's 16: gcc kept them on the stack and the pass took 2.1-3.3 ms on a Zen 3 VM
+ * (~15x its 130-150 us now); SSE2 alone, 3.9 ms where 4 lanes take 0.33. */
+#if defined(__AVX512F__)
 #define ARGMAX_LANES 16
+#elif defined(__AVX__)
+#define ARGMAX_LANES 8
+#else
+#define ARGMAX_LANES 4 /* SSE2's 16 registers of 4 */
+#endif
 #define CHAINS 4  /* independent lane sets: one compare-and-blend chain is latency-bound */
 #define MIN_PARALLEL_ELEMENTS 65536  /* below this a team's wake-up costs more than the pass */
 
-typedef float af __attribute__((vector_size(64)));   /* 16 floats: one zmm, two ymm */
-typedef int32_t ai __attribute__((vector_size(64))); /* 16 positions (the caller keeps n < 2^31) */
+typedef float af __attribute__((vector_size(ARGMAX_LANES * 4)));   /* one register of floats */
+typedef int32_t ai __attribute__((vector_size(ARGMAX_LANES * 4))); /* their positions (the caller keeps n < 2^31) */
 
 /* A lane's value and first position replaced where `better` (all ones) holds: bitwise blends,
  * so the loop stays in vector registers (C has no ?: on vectors). */
