@@ -452,6 +452,37 @@ static inline __attribute__((always_inline)) void attend_heads_tiled(
     }
 }
 
+/* attend_heads_tiled for the common head sizes and int8 as compile-time constants (fully unrolled
+ * conversions and dots), each its own function. Inlined all into the kernel's one OpenMP loop, the six
+ * made one huge function: gcc took 43 s to compile this file with -march=native (65 s for plain -O3,
+ * most of the test suite's kernel builds), against 18 s (36) as six functions, and the code it made
+ * for the huge one was 5-8% slower (register allocation over the whole; A/B in a C driver, the same
+ * bits). One indirect call per work unit is nothing beside a unit's hundreds of positions. */
+typedef void (*tiled_fn)(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
+                         const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
+                         const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
+                         int64_t h, int64_t heads, int64_t group, int64_t d, int64_t block_size, int64_t format,
+                         float scale, float* restrict s, int64_t width, float* restrict out);
+
+#define SERVELAB_TILED_FN(NAME, D, F)                                                                         \
+    static __attribute__((noinline)) void NAME(                                                              \
+        const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v, const int64_t* restrict cs, \
+        const float* restrict ks, const float* restrict vs, const int64_t* restrict ss,                        \
+        const int32_t* restrict table, int64_t begin, int64_t len, int64_t h, int64_t heads, int64_t group,    \
+        int64_t d, int64_t block_size, int64_t format, float scale, float* restrict s, int64_t width,          \
+        float* restrict out) {                                                                                \
+        (void)d, (void)format;                                                                                \
+        attend_heads_tiled(q, k, v, cs, ks, vs, ss, table, begin, len, h, heads, group, D, block_size, F, scale, s, \
+                           width, out);                                                                       \
+    }
+SERVELAB_TILED_FN(tiled_64_int8, 64, 1)
+SERVELAB_TILED_FN(tiled_128_int8, 128, 1)
+SERVELAB_TILED_FN(tiled_64, 64, format)
+SERVELAB_TILED_FN(tiled_128, 128, format)
+SERVELAB_TILED_FN(tiled_256, 256, format)
+SERVELAB_TILED_FN(tiled_any, d, format)
+#undef SERVELAB_TILED_FN
+
 /* Returns 0, or -1 when the head size exceeds MAX_HEAD_SIZE or the format is unknown. */
 int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint8_t* k_cache,
                                 const uint8_t* v_cache, const int64_t* cache_strides, const float* k_scale,
@@ -482,21 +513,18 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
         float* sh = scores + (slot * kv_heads + h) * group * width;
         float* oh = out + (r * kv_heads + h) * group * head_size;
         /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
-#define SERVELAB_TILED(D, F) attend_heads_tiled(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, \
-                                                table, begin, len, h, span, group, D, block_size, F, scale, sh, width, oh)
-        /* int8 (format 1) as a constant too: its conversion without the float8 branches */
-        if (head_size == 64 && format == 1) SERVELAB_TILED(64, 1);
-        else if (head_size == 128 && format == 1) SERVELAB_TILED(128, 1);
-        else if (head_size == 64) SERVELAB_TILED(64, format);
-        else if (head_size == 128) SERVELAB_TILED(128, format);
-        else if (head_size == 256) SERVELAB_TILED(256, format);
-        else if (head_size % LANES == 0) SERVELAB_TILED(head_size, format);
+        const tiled_fn tiled = head_size == 64 && format == 1 ? tiled_64_int8
+                               : head_size == 128 && format == 1 ? tiled_128_int8
+                               : head_size == 64 ? tiled_64 : head_size == 128 ? tiled_128
+                               : head_size == 256 ? tiled_256 : head_size % LANES == 0 ? tiled_any : NULL;
+        if (tiled)
+            tiled(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h, span,
+                  group, head_size, block_size, format, scale, sh, width, oh);
         else
             for (int64_t j = 0; j < span; ++j)
                 attend_head_rows(qh + j * group * head_size, k_cache, v_cache, cache_strides, k_scale, v_scale,
                                  scale_strides, table, begin, len, h + j, group, head_size, block_size, format, scale,
                                  sh + j * group * width, width, oh + j * group * head_size);
-#undef SERVELAB_TILED
     }
     return 0;
 }

@@ -44,9 +44,10 @@ static inline __attribute__((always_inline)) void column_dots8(const uint8_t* re
             for (int c = 0; c < 2; ++c) {
                 /* each half widened straight from memory (a 16-byte load and an unpack took one more
                  * shuffle per 8 values, on the pipes the widening uses) */
-                const uint8_t* column = columns + col * 16 + k * 32 + c * 16;
+                /* transpose_bytes' AVX2 layout: rows 0-7 at 64 (k / 2) + 16 c + 8 (k % 2), rows 8-15 32 further */
+                const uint8_t* column = columns + col * 16 + (k >> 1) * 64 + (k & 1) * 8 + c * 16;
                 const vf8 lo = convert8(_mm_loadl_epi64((const __m128i*)column), format),
-                          hi = convert8(_mm_loadl_epi64((const __m128i*)(column + 8)), format);
+                          hi = convert8(_mm_loadl_epi64((const __m128i*)(column + 32)), format);
 #pragma GCC unroll 3
                 for (int g = 0; g < 3; ++g)
                     if (g < gb) {
