@@ -25,7 +25,8 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LlamaForCausa
 def run(model, prompts, steps: int, *, glue: bool, monkeypatch) -> tuple[list[torch.Tensor], list, int]:
     """Every step's final hidden states (the LM head's input), the KV caches after ``steps``
     steps, and how many layer calls were glued (``model``: a fresh one per run)."""
-    monkeypatch.setattr(decode_glue, "parts", real_parts if glue else (lambda *a: None))
+    # _step_glues: the conditions both decode_glue.parts and decode_glue.step_parts ask first
+    monkeypatch.setattr(decode_glue, "_step_glues", real_step_glues if glue else (lambda x: False))
     calls = []
     monkeypatch.setattr(decode_glue, "forward", lambda *a: calls.append(1) or real_forward(*a))
     pipe = Pipeline(model, attention_backend="sdpa", block_size=16, num_blocks=64, max_model_len=256,
@@ -42,7 +43,7 @@ def run(model, prompts, steps: int, *, glue: bool, monkeypatch) -> tuple[list[to
     return seen, [t.clone() for pair in pipe.kv_caches.views for t in pair], len(calls)
 
 
-real_parts, real_forward = decode_glue.parts, decode_glue.forward
+real_step_glues, real_forward = decode_glue._step_glues, decode_glue.forward
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
