@@ -452,12 +452,15 @@ static inline __attribute__((always_inline)) void attend_heads_tiled(
     }
 }
 
-/* attend_heads_tiled for the common head sizes and int8 as compile-time constants (fully unrolled
- * conversions and dots), each its own function. Inlined all into the kernel's one OpenMP loop, the six
- * made one huge function: gcc took 43 s to compile this file with -march=native (65 s for plain -O3,
- * most of the test suite's kernel builds), against 18 s (36) as six functions, and the code it made
- * for the huge one was 5-8% slower (register allocation over the whole; A/B in a C driver, the same
- * bits). One indirect call per work unit is nothing beside a unit's hundreds of positions. */
+/* attend_heads_tiled with the common head sizes as compile-time constants (fully unrolled conversions
+ * and dots), and the format too for int8 at 64 and 128 and float8 at 64 (no format branches); each
+ * instance its own function. Inlined all into the kernel's one OpenMP loop, they made one huge
+ * function: gcc took 43 s to compile this file with -march=native on a Zen 3 (65 s with plain -O3,
+ * 40 s for Sapphire Rapids; most of the test suite's kernel builds), against 13 s (37, 16) as
+ * functions, and the code it made for the huge one was 5-8% slower on int8 pages (register allocation
+ * over the whole; A/B in a C driver, the same bits). Float8 at 64 as a runtime format was then 6%
+ * slower, hence its own constants. One indirect call per work unit is nothing beside a unit's hundreds
+ * of positions. */
 typedef void (*tiled_fn)(const float* restrict q, const uint8_t* restrict k, const uint8_t* restrict v,
                          const int64_t* restrict cs, const float* restrict ks, const float* restrict vs,
                          const int64_t* restrict ss, const int32_t* restrict table, int64_t begin, int64_t len,
@@ -477,7 +480,8 @@ typedef void (*tiled_fn)(const float* restrict q, const uint8_t* restrict k, con
     }
 SERVELAB_TILED_FN(tiled_64_int8, 64, 1)
 SERVELAB_TILED_FN(tiled_128_int8, 128, 1)
-SERVELAB_TILED_FN(tiled_64, 64, format)
+SERVELAB_TILED_FN(tiled_64_e4m3, 64, 2)
+SERVELAB_TILED_FN(tiled_64_e5m2, 64, 3)
 SERVELAB_TILED_FN(tiled_128, 128, format)
 SERVELAB_TILED_FN(tiled_256, 256, format)
 SERVELAB_TILED_FN(tiled_any, d, format)
@@ -515,7 +519,9 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
         /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
         const tiled_fn tiled = head_size == 64 && format == 1 ? tiled_64_int8
                                : head_size == 128 && format == 1 ? tiled_128_int8
-                               : head_size == 64 ? tiled_64 : head_size == 128 ? tiled_128
+                               : head_size == 64 && format == 2 ? tiled_64_e4m3
+                               : head_size == 64 && format == 3 ? tiled_64_e5m2
+                               : head_size == 128 ? tiled_128
                                : head_size == 256 ? tiled_256 : head_size % LANES == 0 ? tiled_any : NULL;
         if (tiled)
             tiled(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h, span,
