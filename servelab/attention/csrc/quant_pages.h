@@ -260,27 +260,36 @@ typedef __m256i vbytes;
 #define bytes_store(p, x) _mm256_store_si256((__m256i*)(p), x)
 #endif
 
+/* The transpose network's first two steps for 8 rows x[0..7] in place, within each 128-bit lane:
+ * bytes of row pairs interleaved, then 16-bit pairs; after it x[4j + m] holds rows 4j .. 4j + 3,
+ * bytes 4m .. 4m + 3. */
+static inline __attribute__((always_inline)) void interleave_rows8(vbytes* x) {
+    vbytes y[8];
+    for (int i = 0; i < 4; ++i) { /* y[2i], y[2i + 1]: rows 2i, 2i + 1, bytes k < 8 / k >= 8 */
+        y[2 * i] = bytes_unpacklo8(x[2 * i], x[2 * i + 1]);
+        y[2 * i + 1] = bytes_unpackhi8(x[2 * i], x[2 * i + 1]);
+    }
+    for (int j = 0; j < 2; ++j) {
+        x[4 * j] = bytes_unpacklo16(y[4 * j], y[4 * j + 2]);
+        x[4 * j + 1] = bytes_unpackhi16(y[4 * j], y[4 * j + 2]);
+        x[4 * j + 2] = bytes_unpacklo16(y[4 * j + 1], y[4 * j + 3]);
+        x[4 * j + 3] = bytes_unpackhi16(y[4 * j + 1], y[4 * j + 3]);
+    }
+}
+
 /* Bytes [col, col + cols) of 16 rows transposed (AVX-512 BW; AVX2's layout below): column col + 16 L + k,
- * its 16 rows' bytes in row order, to out + COLUMN_BYTES k + 16 L (out COLUMN_BYTES-aligned). cols is a multiple of 16: with AVX-512 BW at
- * most 64 (the rest read as 0), with AVX2 a multiple of 32 (the caller's d % 32 == 0).
- * The classic network, within each 128-bit lane: bytes of row pairs interleaved, then 16-bit pairs,
- * then 32-bit, then 64-bit; 64 shuffles for 16 COLUMN_BYTES bytes. */
+ * its 16 rows' bytes in row order, to out + COLUMN_BYTES k + 16 L (out COLUMN_BYTES-aligned); cols a
+ * multiple of 16, at most 64 (the rest read as 0). The classic network, within each 128-bit lane:
+ * interleave_rows8 on each half, then 32-bit pairs, then 64-bit ones joining the halves; 64 shuffles
+ * for 16 x 64 bytes. */
 #ifdef __AVX512BW__
 static inline __attribute__((always_inline)) void transpose_bytes(const uint8_t* const* rows, int64_t col,
                                                                   int64_t cols, uint8_t* restrict out) {
     vbytes x[16], y[16];
     const __mmask64 valid = cols >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cols) - 1);
     for (int t = 0; t < 16; ++t) x[t] = _mm512_maskz_loadu_epi8(valid, rows[t] + col);
-    for (int i = 0; i < 8; ++i) { /* y[2i], y[2i + 1]: rows 2i, 2i + 1, bytes k < 8 / k >= 8 */
-        y[2 * i] = bytes_unpacklo8(x[2 * i], x[2 * i + 1]);
-        y[2 * i + 1] = bytes_unpackhi8(x[2 * i], x[2 * i + 1]);
-    }
-    for (int j = 0; j < 4; ++j) { /* x[4j + m]: rows 4j .. 4j + 3, bytes 4m .. 4m + 3 */
-        x[4 * j] = bytes_unpacklo16(y[4 * j], y[4 * j + 2]);
-        x[4 * j + 1] = bytes_unpackhi16(y[4 * j], y[4 * j + 2]);
-        x[4 * j + 2] = bytes_unpacklo16(y[4 * j + 1], y[4 * j + 3]);
-        x[4 * j + 3] = bytes_unpackhi16(y[4 * j + 1], y[4 * j + 3]);
-    }
+    interleave_rows8(x);
+    interleave_rows8(x + 8);
     for (int u = 0; u < 2; ++u) /* y[8u + e]: rows 8u .. 8u + 7, bytes 2e, 2e + 1 */
         for (int m = 0; m < 4; ++m) {
             y[8 * u + 2 * m] = bytes_unpacklo32(x[8 * u + m], x[8 * u + 4 + m]);
@@ -292,28 +301,19 @@ static inline __attribute__((always_inline)) void transpose_bytes(const uint8_t*
     }
 }
 #else
-/* AVX2: bytes [col, col + 32) of 16 rows transposed, each half of 8 rows on its own, without the
- * network's last step (the 64-bit unpacks that join the halves): column col + 16 L + k's rows 0-7 at
- * out + 64 (k / 2) + 16 L + 8 (k % 2), its rows 8-15 32 bytes further (column_dots8 reads each half as
- * 8 bytes anyway). One half's network lives in 16 registers; all 16 rows at once kept 32 vectors live
- * and gcc spilled ~20 of them to the stack (with the split in decode_attention_quant.c, 1-6% faster in
- * the kernel, the same bits). */
+/* AVX2 (cols a multiple of 32: the caller's d % 32 == 0): bytes [col, col + 32) of 16 rows transposed,
+ * each half of 8 rows on its own, without the network's last step (the 64-bit unpacks that join the
+ * halves): column col + 16 L + k's rows 0-7 at out + 64 (k / 2) + 16 L + 8 (k % 2), its rows 8-15 32
+ * bytes further (column_dots8 reads each half as 8 bytes anyway). One half's network lives in 16
+ * registers; all 16 rows at once kept 32 vectors live and gcc spilled ~20 of them to the stack (with
+ * the split in decode_attention_quant.c, 1-6% faster in the kernel, the same bits). */
 static inline __attribute__((always_inline)) void transpose_bytes(const uint8_t* const* rows, int64_t col,
                                                                   int64_t cols, uint8_t* restrict out) {
     (void)cols;
     for (int u = 0; u < 2; ++u) { /* rows 8u .. 8u + 7 */
-        vbytes x[8], y[8];
+        vbytes x[8];
         for (int t = 0; t < 8; ++t) x[t] = _mm256_loadu_si256((const __m256i*)(rows[8 * u + t] + col));
-        for (int i = 0; i < 4; ++i) { /* y[2i], y[2i + 1]: rows 2i, 2i + 1 interleaved, bytes k < 8 / k >= 8 */
-            y[2 * i] = bytes_unpacklo8(x[2 * i], x[2 * i + 1]);
-            y[2 * i + 1] = bytes_unpackhi8(x[2 * i], x[2 * i + 1]);
-        }
-        for (int j = 0; j < 2; ++j) { /* x[4j + m]: rows 4j .. 4j + 3, bytes 4m .. 4m + 3 */
-            x[4 * j] = bytes_unpacklo16(y[4 * j], y[4 * j + 2]);
-            x[4 * j + 1] = bytes_unpackhi16(y[4 * j], y[4 * j + 2]);
-            x[4 * j + 2] = bytes_unpacklo16(y[4 * j + 1], y[4 * j + 3]);
-            x[4 * j + 3] = bytes_unpackhi16(y[4 * j + 1], y[4 * j + 3]);
-        }
+        interleave_rows8(x);
         for (int m = 0; m < 4; ++m) { /* rows 8u .. 8u + 7 of bytes 2e, 2e + 1 (e = 2m, 2m + 1) in each lane */
             bytes_store(out + 64 * (2 * m) + 32 * u, bytes_unpacklo32(x[m], x[4 + m]));
             bytes_store(out + 64 * (2 * m + 1) + 32 * u, bytes_unpackhi32(x[m], x[4 + m]));
