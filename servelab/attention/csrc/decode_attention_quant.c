@@ -501,6 +501,13 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
      * enough rows to share among the threads, else single (row, KV head) pairs. Each head's
      * operations are the same either way, so the unit changes no bit. */
     const int whole_rows = team == 1 || rows >= 2 * team;
+    /* the tiled instance for this head size and format (NULL: the row path) */
+    const tiled_fn tiled = head_size == 64 && format == 1 ? tiled_64_int8
+                           : head_size == 128 && format == 1 ? tiled_128_int8
+                           : head_size == 64 && format == 2 ? tiled_64_e4m3
+                           : head_size == 64 && format == 3 ? tiled_64_e5m2
+                           : head_size == 128 ? tiled_128
+                           : head_size == 256 ? tiled_256 : head_size % LANES == 0 ? tiled_any : NULL;
     const int64_t units = whole_rows ? rows : rows * kv_heads, span = whole_rows ? kv_heads : 1;
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1 && units > 1)
     for (int64_t x = 0; x < units; ++x) {
@@ -516,13 +523,6 @@ int servelab_paged_decode_quant(const float* q, int64_t q_row_stride, const uint
 #endif
         float* sh = scores + (slot * kv_heads + h) * group * width;
         float* oh = out + (r * kv_heads + h) * group * head_size;
-        /* the common head sizes as compile-time constants: fully unrolled conversions and dots */
-        const tiled_fn tiled = head_size == 64 && format == 1 ? tiled_64_int8
-                               : head_size == 128 && format == 1 ? tiled_128_int8
-                               : head_size == 64 && format == 2 ? tiled_64_e4m3
-                               : head_size == 64 && format == 3 ? tiled_64_e5m2
-                               : head_size == 128 ? tiled_128
-                               : head_size == 256 ? tiled_256 : head_size % LANES == 0 ? tiled_any : NULL;
         if (tiled)
             tiled(qh, k_cache, v_cache, cache_strides, k_scale, v_scale, scale_strides, table, begin, len, h, span,
                   group, head_size, block_size, format, scale, sh, width, oh);
