@@ -4,7 +4,8 @@
 :mod:`servelab.models.cpu_rope`), the few-row GEMM (``csrc/panel_gemm.c``,
 :mod:`servelab.models.cpu_gemm`) and a decoder layer's glue on a decode step
 (``csrc/decode_glue.c``, :mod:`servelab.models.decode_glue`), greedy decoding's
-argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`), and decode attention straight
+argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`), SiLU with torch's bits
+(``csrc/silu.c``, :mod:`servelab.models.cpu_silu`), and decode attention straight
 over quantized KV pages (``csrc/decode_attention_quant.c``, reading the pages through
 ``csrc/quant_pages.h``; :mod:`servelab.attention.cpu_decode_quant`) with its quantizing int8 cache
 write (``csrc/kv_write_int8.c``, :mod:`servelab.attention.ops`).
@@ -59,11 +60,11 @@ from servelab._internal.paths import kernel_cache_dir
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
                                                "decode_glue.c", "argmax.c", "decode_attention_quant.c",
-                                               "kv_write_int8.c"))
+                                               "kv_write_int8.c", "silu.c"))
 #: Headers the sources include: not compiled on their own, but hashed with them.
 HEADERS: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                  for name in ("quant_pages.h", "decode_quant_avx2.h"))
-ABI_VERSION = 14
+ABI_VERSION = 15
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -220,7 +221,7 @@ for rows, k, n in ((1, 3, 5), (7, 40, 130), (3, 64, 300)):  # row blocks 6 + 1, 
 assert lib.servelab_panel_gemm_preferred() in (0, 1)
 lib.servelab_glue_qkv.argtypes = [P, P, F, P, P, P, P, P, P, P, I, I, I, I, I, I]
 lib.servelab_glue_out.argtypes = [P, I, P, P, P, P, P, F, P, P, P, P, I, I, I, I, I]
-lib.servelab_glue_down.argtypes = [P, I, P, P, P, P, I, I, I]
+lib.servelab_glue_down.argtypes = [P, I, I, P, P, P, P, I, I, I]
 rows, hidden, d = 2, 16, 8  # weights of 0.5 over ones: every GEMM output is 0.5 * K + bias
 ones = lambda n: (ctypes.c_float * n)(*[1.0] * n)
 half = lambda n, k: (ctypes.c_float * (-(-n // width) * k * width))(*[0.5] * (-(-n // width) * k * width))
@@ -233,8 +234,12 @@ assert normed[0] == 1.0 and qkv[0] == 8.0 and qk[2 * d * rows - 1] == 8.0, (norm
 lib.servelab_glue_out(qkv, 3 * d, half(hidden, 2 * d), None, x, h, ones(hidden), 0.0, normed, half(8, hidden), None,
                       gu, rows, 2 * d, hidden, 8, 2)
 assert h[0] == 0.5 * 8.0 * 2 * d + 1.0 and gu[7] == 8.0, (h[0], gu[7])  # attn = qkv: 8.0 everywhere
-lib.servelab_glue_down(gu, 4, half(hidden, 4), None, h, y, rows, hidden, 2)
+lib.servelab_glue_down(gu, 4, 0, half(hidden, 4), None, h, y, rows, hidden, 2)
 assert y[rows * hidden - 1] == 0.5 * 4 * 64.0 + h[0], y[rows * hidden - 1]
+lib.servelab_silu_rows.argtypes = [P, I, I, I, I]
+x = (ctypes.c_float * 40)(*[0.0] * 39 + [-200.0])  # silu(0) = 0; silu(-200) = -0 (exp overflows)
+lib.servelab_silu_rows(x, 2, 20, 20, 2)
+assert x[0] == 0.0 and x[39] == 0.0, (x[0], x[39])
 lib.servelab_argmax_rows.argtypes = [P, I, I, I, P, I]
 x = (ctypes.c_float * 60)(*[float(i % 7) for i in range(60)])  # rows of 20: maxima 6.0 first at 6 and 0
 x[45] = float("nan")  # the third row holds a NaN: not finite
@@ -314,7 +319,11 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     f = ctypes.c_float
     lib.servelab_glue_qkv.argtypes = [p, p, f, p, p, p, p, p, p, p, i, i, i, i, i, i]
     lib.servelab_glue_out.argtypes = [p, i, p, p, p, p, p, f, p, p, p, p, i, i, i, i, i]
-    lib.servelab_glue_down.argtypes = [p, i, p, p, p, p, i, i, i]
+    lib.servelab_glue_down.argtypes = [p, i, i, p, p, p, p, i, i, i]
+    lib.servelab_silu_rows.argtypes = [p, i, i, i, i]
+    lib.servelab_silu_rows.restype = None
+    lib.servelab_silu_step.argtypes = []
+    lib.servelab_silu_step.restype = i
     lib.servelab_argmax_rows.argtypes = [p, i, i, i, p, i]
     for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down", "servelab_argmax_rows"):
         getattr(lib, name).restype = None

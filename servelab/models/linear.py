@@ -203,7 +203,15 @@ class Linear(nn.Linear):
         pack_weights: when False, always ``F.linear`` (and the packed copy is dropped).
     """
 
-    pack_weights: bool = True
+    @property
+    def pack_weights(self) -> bool:
+        return self.__dict__.get("_pack_weights", True)
+
+    @pack_weights.setter
+    def pack_weights(self, enabled: bool) -> None:
+        global _packing_switches
+        _packing_switches += 1  # what the decode glue's step memo watches (packing_switches)
+        self.__dict__["_pack_weights"] = enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self._packed_weight() if self.pack_weights else None)
@@ -214,6 +222,14 @@ class Linear(nn.Linear):
             cache = PackedWeight()
             object.__setattr__(self, "_packed", cache)  # not a submodule, buffer or parameter
         return cache
+
+
+_packing_switches = 0
+
+
+def packing_switches() -> int:
+    """How many times any :class:`Linear`'s ``pack_weights`` was set in this process."""
+    return _packing_switches
 
 
 def set_weight_packing(model: nn.Module, enabled: bool) -> int:

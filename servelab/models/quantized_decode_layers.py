@@ -1,7 +1,7 @@
 """A pure decode step's layers after the first, over int8 pages, as prebuilt C calls.
 
 Why: on SmolLM2's batch-16 decode step over int8 pages each glued layer
-(:func:`servelab.models.decode_glue.forward`) is four C calls and torch's SiLU, and the Python
+(:func:`servelab.models.decode_glue.forward`) is four C calls and a SiLU, and the Python
 between them (fresh q/k/v and output tensors, views, the attention's dispatch down to the kernel,
 the arguments of every call) cost ~100 us a layer: that Python runs right after the layer's weights
 streamed through the caches, so nearly every object it touches is a cache miss (asked back to
@@ -11,7 +11,7 @@ threads, most of what stood between the step and its GEMMs.
 What runs is exactly what :func:`~servelab.models.decode_glue.forward` runs for each layer when the
 step's attention takes its direct quantized path (``StepAttention.quantized_attend`` ->
 ``DecodeStep.write_and_attend``, one C call for the int8 write and the kernel): the same C calls and
-torch's SiLU, in the same order, on the same values, so the same bits
+SiLU (C's or torch's, as ``cpu_silu.usable`` answers), in the same order, on the same values, so the same bits
 (``tests/kv_quant/test_kv_quant_direct_path.py``). What differs is when the Python runs: every
 layer's call arguments (addresses and sizes) are gathered in one pass after the first layer, and the
 layers' temporaries (q/k/v, the attention output, the rows between layers) are buffers of this step.
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from servelab.models import decode_glue
+from servelab.models import cpu_silu, decode_glue
 
 __all__ = ["DirectLayers", "prepare"]
 
@@ -41,23 +41,28 @@ class DirectLayers:
     """The prepared layers: :meth:`run` makes their calls and returns the last layer's rows
     float32 ``[rows, hidden]`` (a buffer of this step)."""
 
-    __slots__ = ("calls", "gate", "output", "held")
+    __slots__ = ("calls", "gate", "silu_in_c", "output", "held")
 
-    def __init__(self, calls: list[tuple[tuple, ...]], gate: torch.Tensor, output: torch.Tensor, held: tuple) -> None:
-        self.calls, self.gate, self.output = calls, gate, output
+    def __init__(self, calls: list[tuple[tuple, ...]], gate: torch.Tensor, silu_in_c: bool, output: torch.Tensor,
+                 held: tuple) -> None:
+        self.calls, self.gate, self.silu_in_c, self.output = calls, gate, silu_in_c, output
         self.held = held  # every tensor (and the DecodeStep) whose address the calls hold
 
     def run(self) -> torch.Tensor:
         lib = decode_glue._library.lib
         qkv, attend, out, down = (lib.servelab_glue_qkv, lib.servelab_write_decode_int8, lib.servelab_glue_out,
                                   lib.servelab_glue_down)
-        silu, gate = torch._C._nn.silu_, self.gate  # torch's SiLU in place, as decode_glue.forward
+        # torch's SiLU in place, as decode_glue.forward, where the C SiLU is not used (the down
+        # call's silu_in_c argument says which)
+        silu = None if self.silu_in_c else torch._C._nn.silu_
+        gate = self.gate
         for qkv_args, attend_args, out_args, down_args in self.calls:
             qkv(*qkv_args)
             if attend(*attend_args) != 0:
                 raise ValueError("servelab_write_decode_int8 refused a layer that prepare() accepted")
             out(*out_args)
-            silu(gate)
+            if silu is not None:
+                silu(gate)
             down(*down_args)
         return self.output
 
@@ -94,6 +99,7 @@ def prepare(glued: list[Any], x: torch.Tensor, tables: tuple[torch.Tensor, torch
     normed_at, qkv_at, qk_at, attn_at, h_at, gate_up_at = (t.data_ptr() for t in (normed, qkv, qk, attn, h, gate_up))
     cos, signed_sin = (t.data_ptr() for t in tables)
     threads = torch.get_num_threads()
+    silu_in_c = cpu_silu.usable(rows, intermediate)
     calls: list[tuple[tuple, ...]] = []
     x_in = x
     for i, (glue, kv_cache) in enumerate(zip(glued, caches)):
@@ -114,8 +120,9 @@ def prepare(glued: list[Any], x: torch.Tensor, tables: tuple[torch.Tensor, torch
             (attn_at, q_size, o_panels, o_bias, x_in.data_ptr(), h_at, decode_glue._weight(glue.post_norm).data_ptr(),
              glue.post_norm.eps, normed_at, gu_panels, gu_bias, gate_up_at, rows, q_size, hidden, 2 * intermediate,
              threads),
-            (gate_up_at, intermediate, down_panels, down_bias, h_at, between.data_ptr(), rows, hidden, threads),
+            (gate_up_at, intermediate, silu_in_c, down_panels, down_bias, h_at, between.data_ptr(), rows, hidden,
+             threads),
         ))
         x_in = between
     held = (step, glued, caches, tables, x, normed, h, gate_up, qkv, qk, attn, between)
-    return DirectLayers(calls, gate_up[:, :intermediate], x_in, held)
+    return DirectLayers(calls, gate_up[:, :intermediate], silu_in_c, x_in, held)

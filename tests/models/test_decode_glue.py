@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from servelab import Pipeline, SamplingParams
-from servelab.models import ModelConfig, cpu_gemm, decode_glue, tiny_config
+from servelab.models import ModelConfig, cpu_gemm, cpu_silu, decode_glue, tiny_config
 from servelab.models.layers import SwiGLUMLP
 from servelab.models.linear import set_weight_packing
 from servelab.models.llama import LlamaAttention, LlamaForCausalLM
@@ -22,9 +22,10 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> LlamaForCausa
     return model
 
 
-def run(model, prompts, steps: int, *, glue: bool, monkeypatch) -> tuple[list[torch.Tensor], list, int]:
+def run(model, prompts, steps: int, *, glue: bool, monkeypatch, before_step=None) -> tuple[list[torch.Tensor], list, int]:
     """Every step's final hidden states (the LM head's input), the KV caches after ``steps``
-    steps, and how many layer calls were glued (``model``: a fresh one per run)."""
+    steps, and how many layer calls were glued (``model``: a fresh one per run; ``before_step(i)``
+    is called before step ``i``)."""
     # _step_glues: the conditions both decode_glue.parts and decode_glue.step_parts ask first
     monkeypatch.setattr(decode_glue, "_step_glues", real_step_glues if glue else (lambda x: False))
     calls = []
@@ -38,25 +39,31 @@ def run(model, prompts, steps: int, *, glue: bool, monkeypatch) -> tuple[list[to
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for prompt in prompts:
         pipe.add_request(prompt, params, detokenize=False)
-    for _ in range(steps):
+    for i in range(steps):
+        if before_step is not None:
+            before_step(i)
         pipe.step()
     return seen, [t.clone() for pair in pipe.kv_caches.views for t in pair], len(calls)
 
 
-real_step_glues, real_forward = decode_glue._step_glues, decode_glue.forward
+real_step_glues, real_forward, real_silu_usable = decode_glue._step_glues, decode_glue.forward, cpu_silu.usable
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(arch=st.sampled_from(["llama", "qwen2", "mistral"]), per_head=st.sampled_from([4, 8, 16]),
        heads_kv=st.sampled_from([(4, 2), (2, 2), (6, 2), (4, 1)]), head_dim=st.sampled_from([8, 16]),
        intermediate=st.integers(8, 100), batch=st.integers(1, 5), threads=st.integers(1, 2),
-       seed=st.integers(0, 3))
+       seed=st.integers(0, 3), c_silu=st.booleans())
 def test_the_glued_layer_equals_the_unfused_modules_bit_for_bit(kernel_library, monkeypatch, arch, per_head,
                                                                   heads_kv, head_dim, intermediate, batch, threads,
-                                                                  seed):
+                                                                  seed, c_silu):
     """Shapes (hidden = heads x per_head, GQA groups 1-3, Qwen2's q/k/v biases, Mistral's window), batches
-    of 1-5 decode rows, 1 and 2 threads: every step's hidden states and the K/V written are equal."""
+    of 1-5 decode rows, 1 and 2 threads, SiLU in C or torch's: every step's hidden states and the K/V
+    written are equal."""
     monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)  # the panel GEMM (and so the glue) on any build
+    # set in every example (hypothesis shares one monkeypatch between them)
+    monkeypatch.setattr(cpu_silu, "usable", real_silu_usable if c_silu else (lambda rows, n: False))
+    assert not c_silu or cpu_silu.usable(batch, intermediate), cpu_silu.unavailable_reason()
     heads, kv_heads = heads_kv
     shape = dict(hidden_size=heads * per_head, num_attention_heads=heads, num_key_value_heads=kv_heads,
                  head_dim=head_dim, intermediate_size=intermediate)
@@ -234,3 +241,80 @@ def test_the_model_calls_a_layer_it_cannot_glue_as_a_module(model, monkeypatch, 
     assert seen == [15, 2, 2, 2]
     # The other layer glued on every step; the subclass's forward glues itself (it calls the base's).
     assert calls == 4 + (4 if case == "subclassed_layer" else 0)
+
+
+def test_a_step_with_nothing_changed_asks_no_module_again(kernel_library, monkeypatch):
+    """``step_parts`` gives its last answer again while the module tree and the weights are unchanged:
+    after the prefill and the first decode step no layer's modules are asked again."""
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+    asked = []
+    real_state = decode_glue._layer_state
+    monkeypatch.setattr(decode_glue, "_layer_state", lambda *a: asked.append(1) or real_state(*a))
+    per_step = []
+    run(tiny_model(), [[5, 6, 7], [9] * 12], 5, glue=True, monkeypatch=monkeypatch,
+        before_step=lambda i: per_step.append(len(asked)))
+    per_step.append(len(asked))
+    asked_by_step = [b - a for a, b in zip(per_step, per_step[1:])]
+    assert asked_by_step[0] > 0 and asked_by_step[2:] == [0, 0, 0], asked_by_step
+
+
+class RecordingMLP(SwiGLUMLP):
+    """A researcher's MLP: its own forward must run, and it records the rows it saw."""
+
+    seen: list
+
+    def forward(self, x):
+        self.seen.append(x.shape[0])
+        return super().forward(x)
+
+
+def _change(model, change: str, seen: list) -> None:
+    """One change to layer 1 between two decode steps, as a researcher might make it."""
+    layer = model.model.layers[1]
+    lin = layer.mlp.down_proj
+    if change == "module_hook":
+        lin.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    elif change == "pre_hook":
+        layer.self_attn.qkv_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    elif change == "swapped_mlp":
+        mine = RecordingMLP(model.config.hidden_size, model.config.intermediate_size, False)
+        mine.seen = seen
+        mine.load_state_dict(layer.mlp.state_dict())
+        layer.mlp = mine
+    elif change == "mlp_class":
+        layer.mlp.__class__ = RecordingMLP
+        layer.mlp.seen = seen
+    elif change == "no_packing":
+        set_weight_packing(model, False)
+    elif change == "weight_data":
+        lin.weight.data = lin.weight.data * -2.0
+    elif change == "weight_in_place":
+        with torch.no_grad():
+            lin.weight.mul_(-2.0)
+    elif change == "new_bias":
+        lin.bias = nn.Parameter(torch.full((lin.out_features,), 0.25), requires_grad=False)
+
+
+@pytest.mark.parametrize("change", ["module_hook", "pre_hook", "swapped_mlp", "mlp_class", "no_packing",
+                                    "weight_data", "weight_in_place", "new_bias"])
+def test_a_change_between_glued_steps_is_seen_by_the_next_step(kernel_library, monkeypatch, change):
+    """After glued decode steps (the step memo set), a change to one layer before the next step: that
+    step equals the unfused modules with the same change, bit for bit, and a hook or a researcher's
+    module sees it."""
+    monkeypatch.setattr(cpu_gemm, "preferred", lambda: True)
+    prompts = [[5, 6, 7], [9] * 12]
+    runs = {}
+    for glue in (True, False):
+        model, seen = tiny_model(), []
+        hidden, _, calls = run(model, prompts, 5, glue=glue, monkeypatch=monkeypatch,
+                               before_step=lambda i, m=model, s=seen: i == 3 and _change(m, change, s))
+        runs[glue] = hidden, seen, calls
+    (glued, glued_seen, calls), (plain, plain_seen, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(glued, plain))
+    assert glued_seen == plain_seen
+    if change in ("module_hook", "pre_hook", "swapped_mlp", "mlp_class"):
+        assert glued_seen == [2, 2]  # the two decode steps after the change
+    # 2 layers x 5 steps (the prefill's 15 rows glue too); after the change layer 1 (or, without
+    # packing, both) runs its modules
+    unglued = {"no_packing": 4, "weight_data": 0, "weight_in_place": 0, "new_bias": 0}.get(change, 2)
+    assert calls == 10 - unglued

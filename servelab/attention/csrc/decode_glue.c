@@ -15,8 +15,9 @@
  * Same bits as the unfused layer on that path: the same functions on the same
  * inputs in the same order, and the glue between them is one rounded float
  * operation per element (h + x, g * u), as torch's add_ and mul_ compute them.
- * SiLU stays in torch between servelab_glue_out and servelab_glue_down: its
- * vectorized exp is torch's own, whose bits a C exp cannot promise.
+ * SiLU: csrc/silu.c's (torch's bits, checked once per process by servelab.models.cpu_silu)
+ * when the caller passes silu_in_c, else torch's, called by the caller between
+ * servelab_glue_out and servelab_glue_down.
  *
  * The three calls, for rows r < R (the decode batch), H = hidden size:
  *   servelab_glue_qkv:  normed = rms_norm(x; norm_weight)             [R, H]
@@ -26,8 +27,9 @@
  *   servelab_glue_out:  h      = attn Wo^T + bo + x                    [R, H]
  *                       normed = rms_norm(h; norm_weight)              [R, H]
  *                       gu     = normed Wgu^T + bgu                    [R, 2I]
- *   (torch: gu[:, :I] = silu(gu[:, :I]) in place)
- *   servelab_glue_down: gu[:, :I] *= gu[:, I:]
+ *   (torch, unless silu_in_c: gu[:, :I] = silu(gu[:, :I]) in place)
+ *   servelab_glue_down: gu[:, :I] = silu(gu[:, :I]) in place, if silu_in_c
+ *                       gu[:, :I] *= gu[:, I:]
  *                       y      = gu[:, :I] Wd^T + bd + h               [R, H]
  * Weights are cpu_gemm.pack panels; a NULL bias is none. x, h, normed, y are
  * contiguous; attn's rows are attn_row_stride elements apart (K contiguous).
@@ -44,6 +46,7 @@ void servelab_rms_norm(const float* x, const float* weight, float* out, int64_t 
                        int64_t num_threads);
 void servelab_panel_gemm(const float* x, int64_t x_row_stride, const float* panels, const float* bias, float* y,
                          int64_t rows, int64_t k_size, int64_t n_size, int64_t num_threads);
+void servelab_silu_row(float* x, int64_t n);
 void servelab_rope(const float* x, int64_t x_token_stride, float* out, const float* cos, const float* signed_sin,
                    int64_t tokens, int64_t heads, int64_t head_size, int64_t num_threads);
 
@@ -66,11 +69,18 @@ void servelab_glue_out(const float* attn, int64_t attn_row_stride, const float* 
     servelab_panel_gemm(normed, hidden, gu_panels, gu_bias, gu, rows, hidden, gu_size, num_threads);
 }
 
-void servelab_glue_down(float* gu, int64_t intermediate, const float* down_panels, const float* down_bias,
-                        const float* h, float* y, int64_t rows, int64_t hidden, int64_t num_threads) {
+void servelab_glue_down(float* gu, int64_t intermediate, int64_t silu_in_c, const float* down_panels,
+                        const float* down_bias, const float* h, float* y, int64_t rows, int64_t hidden,
+                        int64_t num_threads) {
+    /* Rows split over the threads when SiLU runs here: its exp is most of this loop's time. */
+#ifdef _OPENMP
+    const int team = (silu_in_c && num_threads > 1 && rows > 1) ? (int)(num_threads < rows ? num_threads : rows) : 1;
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         float* gate = gu + r * 2 * intermediate;
         const float* up = gate + intermediate;
+        if (silu_in_c) servelab_silu_row(gate, intermediate);
         for (int64_t i = 0; i < intermediate; ++i) gate[i] = gate[i] * up[i];
     }
     servelab_panel_gemm(gu, 2 * intermediate, down_panels, down_bias, y, rows, intermediate, hidden, num_threads);
