@@ -103,6 +103,17 @@ def test_a_kernel_whose_exp_differs_is_never_used(monkeypatch):
         cpu_silu.silu_(torch.ones(2, 8))
 
 
+def test_a_build_whose_vectors_are_not_torchs_is_never_used(kernel, monkeypatch):
+    """torch running another vector width walks a row's tail another way: refused before any value."""
+    for name, value in (("_checked", False), ("_lib", None), ("_reason", None)):
+        monkeypatch.setattr(cpu_silu, name, value)
+    built = cpu_silu.cpu_decode.library().servelab_silu_step()
+    other = next(name for name, step in cpu_silu.TORCH_STEPS.items() if step != built)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert not cpu_silu.available()
+    assert f"torch runs its {other} kernel" in cpu_silu.unavailable_reason()
+
+
 def test_shapes_torch_may_split_are_refused(kernel):
     assert cpu_silu.usable(16, 1536) and cpu_silu.usable(1, cpu_silu.TORCH_GRAIN - 1)
     assert not cpu_silu.usable(32, 1536) and not cpu_silu.usable(1, cpu_silu.TORCH_GRAIN)
