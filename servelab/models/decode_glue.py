@@ -141,8 +141,9 @@ def step_parts(layers: Any, x: torch.Tensor, tables: tuple[torch.Tensor, torch.T
         if glue is None:
             return None
         glued.append(glue)
-    modules = tuple(module for layer in layers for module in _memo[layer][2][:8])  # _layer_state's modules
-    weights = tuple(weight for layer in layers for weight in _gemm_weights(layer))
+    objects = [_memo[layer][2] for layer in layers]  # _layer_state's: 8 modules, 2 norm weights, 4 (weight, bias)
+    modules = tuple(module for held in objects for module in held[:8])
+    weights = tuple(t for held in objects for t in held[8:] if t is not None)
     _step_memo[layers] = _StepMemo(key, glued, modules, tuple(map(type, modules)), weights, _stamps(weights),
                                    tuple(sorted({glue.attention.head_dim for glue in glued})))
     return glued
@@ -155,7 +156,7 @@ class _StepMemo(NamedTuple):
     glued: list[GlueParts]
     modules: tuple[torch.nn.Module, ...]  # every layer's attention, MLP, norms and linears
     types: tuple[type, ...]  # their classes then
-    weights: tuple[torch.Tensor, ...]  # every glued GEMM's weight (its panels are a copy)
+    weights: tuple[torch.Tensor, ...]  # every glued layer's norm weights, GEMM weights and biases
     stamps: tuple  # their (data pointer, in-place version) then
     head_dims: tuple[int, ...]  # the layers' head sizes (the RoPE tables' check)
 
@@ -169,20 +170,15 @@ def _unchanged(held: _StepMemo, key: tuple, layers: Any, rows: int, tables: tupl
     """Whether :func:`step_parts`' last answer for ``layers`` still holds: what :func:`_layer_state`
     asks of each layer's modules changes only through a new hook, a new submodule, parameter or
     buffer, or a packing switch (:func:`_structure_generation` counts them all) or a class
-    assignment (every layer's and part's class is asked again); the weights' data through their
-    pointer and version (asked again, as :func:`_layer_state` does); the RoPE tables are the step's.
+    assignment (every layer's and part's class is asked again); the weights' and biases' data
+    through their pointer and version (asked again: :func:`_layer_state` asks the same, except the
+    norms' and biases' versions, whose values are read at every call); the RoPE tables are the step's.
     Not seen: edits of a module's private dicts (``_modules``, ``_forward_hooks``, ...) that bypass
     torch's public calls; after any public change the full check runs again."""
     return (held.key == key and all(type(layer) is layer_type for layer in layers)
             and all(type(module) is kind for module, kind in zip(held.modules, held.types))
             and _stamps(held.weights) == held.stamps
             and all(_tables_usable(tables, rows, head_dim) for head_dim in held.head_dims))
-
-
-def _gemm_weights(layer: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """The weights of a glued layer's four GEMMs (QKV, O, gate_up, down)."""
-    attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
-    return tuple(_weight(lin) for lin in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]))
 
 
 def _stamps(weights: tuple[torch.Tensor, ...]) -> tuple:
@@ -221,9 +217,10 @@ def _layer_state(layer: torch.nn.Module, attention_type: Any) -> tuple[tuple, tu
     """What :func:`_layer_parts` reads from ``layer``, in cheap queries (dict lookups, no module
     ``__getattr__``), as (the objects, compared by identity; the values), or ``None`` when the
     layer is not one the glue knows: its parts exactly servelab's classes, packing on, none with
-    a hook. Values: the panel kernel's build traits and each GEMM weight's data pointer and
-    in-place version (its panels are a copy; the norms' weights and the biases are read at every
-    call, so only their identity counts)."""
+    a hook. Values: the panel kernel's build traits, each GEMM weight's data pointer and in-place
+    version (its panels are a copy), and the norms' weights' and the biases' data pointers (their
+    values are read at every call, but whether the kernels take them, their dtype and layout, was
+    asked once: a ``.data`` assignment gives a new pointer)."""
     m: dict[str, Any] = layer._modules
     attn: Any = m.get("self_attn")
     mlp: Any = m.get("mlp")
@@ -240,12 +237,12 @@ def _layer_state(layer: torch.nn.Module, attention_type: Any) -> tuple[tuple, tu
         if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
             return None
     objects: list[Any] = [attn, mlp, n1, n2, *linears, _weight(n1), _weight(n2)]
-    values: list[Any] = [cpu_gemm.preferred(), cpu_gemm.panel_width()]
+    values: list[Any] = [cpu_gemm.preferred(), cpu_gemm.panel_width(), _weight(n1).data_ptr(), _weight(n2).data_ptr()]
     for lin in linears:
         params = lin._parameters
-        weight = params["weight"]
-        objects += (weight, params.get("bias"))
-        values += (weight.data_ptr(), _version(weight))
+        weight, bias = params["weight"], params.get("bias")
+        objects += (weight, bias)
+        values += (weight.data_ptr(), _version(weight), None if bias is None else bias.data_ptr())
     return tuple(objects), tuple(values)
 
 

@@ -291,12 +291,17 @@ def _change(model, change: str, seen: list) -> None:
     elif change == "weight_in_place":
         with torch.no_grad():
             lin.weight.mul_(-2.0)
+    elif change == "strided_norm_weight":  # a layout the C norm does not take: the modules' norm must run
+        norm = layer.post_attention_layernorm
+        strided = torch.empty(2 * norm.weight.shape[0])[::2]
+        strided.copy_(norm.weight.detach() * 1.5)
+        norm.weight.data = strided
     elif change == "new_bias":
         lin.bias = nn.Parameter(torch.full((lin.out_features,), 0.25), requires_grad=False)
 
 
 @pytest.mark.parametrize("change", ["module_hook", "pre_hook", "swapped_mlp", "mlp_class", "no_packing",
-                                    "weight_data", "weight_in_place", "new_bias"])
+                                    "weight_data", "weight_in_place", "strided_norm_weight", "new_bias"])
 def test_a_change_between_glued_steps_is_seen_by_the_next_step(kernel_library, monkeypatch, change):
     """After glued decode steps (the step memo set), a change to one layer before the next step: that
     step equals the unfused modules with the same change, bit for bit, and a hook or a researcher's
