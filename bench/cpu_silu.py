@@ -56,7 +56,7 @@ def run(model: str, rows_list: list[int], threads_list: list[int], rounds: int, 
         gate = gate_up[:, :inter]
         for threads in threads_list:
             torch.set_num_threads(threads)
-            call, at = cpu_silu._lib.servelab_silu_rows, gate.data_ptr()
+            call, at = cpu_silu._kernel.lib.servelab_silu_rows, gate.data_ptr()
             kernels = {"torch": lambda: torch._C._nn.silu_(gate), "c": lambda: cpu_silu.silu_(gate),
                        "c_call": lambda: call(at, rows, inter, 2 * inter, threads)}
             times: dict[str, list[float]] = {name: [] for name in kernels}

@@ -25,18 +25,14 @@ first time that happens in a process unless the decode path built it first
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from servelab.attention import cpu_decode
+from servelab.attention import cpu_decode  # noqa: F401 (the library's module: tests patch its library())
+from servelab.models.probed_kernel import ProbedKernel
 
 #: the smallest hidden size the kernel takes (one vector of torch's sum kernel).
 MIN_HIDDEN = 8
 
-_reason: str | None = None
-_checked = False
-_lib: Any = None  # the ctypes library once checked
 
 
 def _probe(lib) -> str | None:
@@ -58,30 +54,11 @@ def _probe(lib) -> str | None:
     return None
 
 
-def unavailable_reason() -> str | None:
-    """``None`` when the kernel is built and bit-identical to ``torch.rms_norm`` here, else why not
-    (checked once per process; builds the kernel library if needed)."""
-    global _reason, _checked, _lib
-    if not _checked:
-        lib = cpu_decode.library()
-        if lib is None:
-            _reason = "the C CPU kernels are unavailable (no compiler, a failed build, or SERVELAB_CPU_KERNELS=0)"
-        else:
-            _reason = _probe(lib)
-            _lib = lib if _reason is None else None
-        _checked = True
-    return _reason
-
-
-def available() -> bool:
-    """Whether :func:`rms_norm` may run (see :func:`unavailable_reason`)."""
-    return unavailable_reason() is None
-
-
-def reset() -> None:
-    """Forget the check (tests; after ``cpu_kernel_build.reset``)."""
-    global _reason, _checked, _lib
-    _reason, _checked, _lib = None, False, None
+_kernel = ProbedKernel(_probe)
+#: ``None`` when the kernel is built and bit-identical to torch.rms_norm here, else why not (checked once per
+#: process; builds the kernel library if needed). ``available()``: whether :func:`rms_norm` may run;
+#: ``reset()``: forget the check (tests; after ``cpu_kernel_build.reset``).
+unavailable_reason, available, reset = _kernel.unavailable_reason, _kernel.available, _kernel.reset
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -90,7 +67,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.is_cpu and weight.is_cpu and x.shape[-1] >= MIN_HIDDEN and weight.shape == x.shape[-1:]
             and x.is_contiguous() and weight.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and (_lib is not None or (not _checked and available())))
+            and _kernel.usable_library() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,6 +91,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     """:func:`rms_norm` unchecked (the module's hot path, after :func:`usable`)."""
     out = torch.empty_like(x)
     n = x.shape[-1]
-    _lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
+    _kernel.lib.servelab_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps,
                            torch.get_num_threads())
     return out

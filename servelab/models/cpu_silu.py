@@ -31,11 +31,10 @@ answer to ``servelab_glue_down``; :func:`silu_` is the standalone call (tests, b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from servelab.attention import cpu_decode
+from servelab.attention import cpu_decode  # noqa: F401 (the library's module: tests patch its library())
+from servelab.models.probed_kernel import ProbedKernel
 
 #: torch's parallel grain for elementwise ops (``at::internal::GRAIN_SIZE``): below it torch never
 #: splits an op across threads.
@@ -45,9 +44,6 @@ TORCH_GRAIN = 32768
 #: (``torch.backends.cpu.get_cpu_capability()``); other capabilities are left to the values' probe.
 TORCH_STEPS = {"AVX2": 16, "AVX512": 32}
 
-_reason: str | None = None
-_checked = False
-_lib: Any = None  # the ctypes library once checked
 
 
 def _probe_values() -> torch.Tensor:
@@ -95,37 +91,18 @@ def _probe(lib) -> str | None:
     return None
 
 
-def unavailable_reason() -> str | None:
-    """``None`` when the kernel is built and bit-identical to torch's SiLU here, else why not
-    (checked once per process; builds the kernel library if needed)."""
-    global _reason, _checked, _lib
-    if not _checked:
-        lib = cpu_decode.library()
-        if lib is None:
-            _reason = "the C CPU kernels are unavailable (no compiler, a failed build, or SERVELAB_CPU_KERNELS=0)"
-        else:
-            _reason = _probe(lib)
-            _lib = lib if _reason is None else None
-        _checked = True
-    return _reason
-
-
-def available() -> bool:
-    """Whether :func:`silu_` may run (see :func:`unavailable_reason`)."""
-    return unavailable_reason() is None
-
-
-def reset() -> None:
-    """Forget the check (tests; after ``cpu_kernel_build.reset``)."""
-    global _reason, _checked, _lib
-    _reason, _checked, _lib = None, False, None
+_kernel = ProbedKernel(_probe)
+#: ``None`` when the kernel is built and bit-identical to torch's SiLU here, else why not (checked once per
+#: process; builds the kernel library if needed). ``available()``: whether :func:`silu_` may run;
+#: ``reset()``: forget the check (tests; after ``cpu_kernel_build.reset``).
+unavailable_reason, available, reset = _kernel.unavailable_reason, _kernel.available, _kernel.reset
 
 
 def usable(rows: int, n: int) -> bool:
     """Whether the C SiLU gives torch's bits on ``rows`` rows of ``n`` elements at any thread count:
     the kernel available and ``rows * n`` under :data:`TORCH_GRAIN` (where torch walks every row
     whole)."""
-    return rows * n < TORCH_GRAIN and (_lib is not None or (not _checked and available()))
+    return rows * n < TORCH_GRAIN and _kernel.usable_library() is not None
 
 
 def silu_(x: torch.Tensor) -> torch.Tensor:
@@ -148,5 +125,5 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
         # torch walks a contiguous tensor as one row (its iterator merges the dims), so its vector
         # steps run across row ends: so does this call (on one thread).
         rows, n = 1, rows * n
-    _lib.servelab_silu_rows(x.data_ptr(), rows, n, x.stride(0), torch.get_num_threads())
+    _kernel.lib.servelab_silu_rows(x.data_ptr(), rows, n, x.stride(0), torch.get_num_threads())
     return x

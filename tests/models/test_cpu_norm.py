@@ -59,6 +59,14 @@ def test_the_module_takes_the_c_path_only_where_it_may(kernel, monkeypatch):
     assert len(calls) == 1 and x.grad is not None and norm.weight.grad is not None
 
 
+@pytest.fixture
+def unchecked():
+    """The once-per-process check forgotten before the test and after it (the test patches the library)."""
+    cpu_norm.reset()
+    yield
+    cpu_norm.reset()
+
+
 def _floats(address: int, count: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
 
@@ -73,10 +81,8 @@ class OneUlpOff:
         result[-1, -1] = torch.nextafter(result[-1, -1], torch.tensor(float("inf")))
 
 
-def test_a_kernel_that_sums_in_another_order_is_never_used(monkeypatch):
+def test_a_kernel_that_sums_in_another_order_is_never_used(unchecked, monkeypatch):
     """The once-per-process probe compares with torch.rms_norm; one differing bit keeps torch."""
-    for name, value in (("_checked", False), ("_lib", None), ("_reason", None)):
-        monkeypatch.setattr(cpu_norm, name, value)
     monkeypatch.setattr(cpu_norm.cpu_decode, "library", lambda: OneUlpOff)
     reason = cpu_norm.unavailable_reason()
     assert reason is not None and "differs from torch.rms_norm on [1, 8]" in reason, reason

@@ -73,6 +73,14 @@ def test_evenly_spaced_bit_patterns_and_the_edges(kernel):
     assert same_bits(cpu_silu.silu_(edges), expected)
 
 
+@pytest.fixture
+def unchecked():
+    """The once-per-process check forgotten before the test and after it (the test patches the library)."""
+    cpu_silu.reset()
+    yield
+    cpu_silu.reset()
+
+
 def _floats(address: int, count: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
 
@@ -92,10 +100,8 @@ class OneUlpOff:
         view.copy_(wrong)
 
 
-def test_a_kernel_whose_exp_differs_is_never_used(monkeypatch):
+def test_a_kernel_whose_exp_differs_is_never_used(unchecked, monkeypatch):
     """The once-per-process probe compares with torch's SiLU; one differing bit keeps torch's."""
-    for name, value in (("_checked", False), ("_lib", None), ("_reason", None)):
-        monkeypatch.setattr(cpu_silu, name, value)
     monkeypatch.setattr(cpu_silu.cpu_decode, "library", lambda: OneUlpOff)
     assert not cpu_silu.available() and not cpu_silu.usable(2, 8)
     assert "differs from torch's silu" in cpu_silu.unavailable_reason()
@@ -103,10 +109,8 @@ def test_a_kernel_whose_exp_differs_is_never_used(monkeypatch):
         cpu_silu.silu_(torch.ones(2, 8))
 
 
-def test_a_build_whose_vectors_are_not_torchs_is_never_used(kernel, monkeypatch):
+def test_a_build_whose_vectors_are_not_torchs_is_never_used(kernel, unchecked, monkeypatch):
     """torch running another vector width walks a row's tail another way: refused before any value."""
-    for name, value in (("_checked", False), ("_lib", None), ("_reason", None)):
-        monkeypatch.setattr(cpu_silu, name, value)
     built = cpu_silu.cpu_decode.library().servelab_silu_step()
     other = next(name for name, step in cpu_silu.TORCH_STEPS.items() if step != built)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)

@@ -34,68 +34,78 @@
 
 static inline float silu_scalar(float x) { return x / (1.0f + expf(-x)); }
 
+/* One vector's operations, named once for each instruction set the exp below is written for. */
 #if defined(__AVX512F__)
 #define SILU_LANES 16
 typedef __m512 silu_vec;
+typedef __m512i silu_int;
 #define V_SET1 _mm512_set1_ps
+#define V_SET1_INT _mm512_set1_epi32
 #define V_FMA _mm512_fmadd_ps
 #define V_MUL _mm512_mul_ps
 #define V_ADD _mm512_add_ps
 #define V_DIV _mm512_div_ps
 #define V_LOAD _mm512_loadu_ps
 #define V_STORE _mm512_storeu_ps
-
-static inline __m512 silu_exp(__m512 d) {
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)));
-    __m512 qf = _mm512_cvtepi32_ps(q);
-    __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), d);
-    s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    __m512i half = _mm512_srai_epi32(q, 1);  /* 2^q as 2^(q>>1) * 2^(q - q>>1): no overflow of the exponent */
-    __m512i bias = _mm512_set1_epi32(0x7f);
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23)));
-    u = _mm512_mul_ps(u, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, half), bias), 23)));
-    u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ), u);
-    return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
-}
+#define V_ROUND_TO_INT _mm512_cvtps_epi32
+#define V_TO_FLOAT _mm512_cvtepi32_ps
+#define V_SHIFT_RIGHT _mm512_srai_epi32
+#define V_SHIFT_LEFT _mm512_slli_epi32
+#define V_ADD_INT _mm512_add_epi32
+#define V_SUB_INT _mm512_sub_epi32
+#define V_AS_FLOAT _mm512_castsi512_ps
 #define V_NEG(x) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000)))
-
+/* u where d is not below c (NaN keeps u), else 0; infinity where d is above c, else u */
+#define V_ZERO_WHERE_BELOW(u, d, c) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, V_SET1(c), _CMP_NLT_UQ), u)
+#define V_INFINITY_WHERE_ABOVE(u, d, c) \
+    _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(V_SET1(c), d, _CMP_LT_OQ), V_SET1(INFINITY))
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SILU_LANES 8
 typedef __m256 silu_vec;
+typedef __m256i silu_int;
 #define V_SET1 _mm256_set1_ps
+#define V_SET1_INT _mm256_set1_epi32
+#define V_FMA _mm256_fmadd_ps
 #define V_MUL _mm256_mul_ps
 #define V_ADD _mm256_add_ps
 #define V_DIV _mm256_div_ps
 #define V_LOAD _mm256_loadu_ps
 #define V_STORE _mm256_storeu_ps
-
-static inline __m256 silu_exp(__m256 d) {
-    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137f)));
-    __m256 qf = _mm256_cvtepi32_ps(q);
-    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
-    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
-    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
-    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
-    __m256i half = _mm256_srai_epi32(q, 1);  /* 2^q as 2^(q>>1) * 2^(q - q>>1): no overflow of the exponent */
-    __m256i bias = _mm256_set1_epi32(0x7f);
-    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23)));
-    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, half), bias), 23)));
-    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
-    return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
-}
+#define V_ROUND_TO_INT _mm256_cvtps_epi32
+#define V_TO_FLOAT _mm256_cvtepi32_ps
+#define V_SHIFT_RIGHT _mm256_srai_epi32
+#define V_SHIFT_LEFT _mm256_slli_epi32
+#define V_ADD_INT _mm256_add_epi32
+#define V_SUB_INT _mm256_sub_epi32
+#define V_AS_FLOAT _mm256_castsi256_ps
 #define V_NEG(x) _mm256_xor_ps(x, _mm256_set1_ps(-0.0f))
+#define V_ZERO_WHERE_BELOW(u, d, c) _mm256_andnot_ps(_mm256_cmp_ps(d, V_SET1(c), _CMP_LT_OQ), u)
+#define V_INFINITY_WHERE_ABOVE(u, d, c) \
+    _mm256_blendv_ps(u, V_SET1(INFINITY), _mm256_cmp_ps(V_SET1(c), d, _CMP_LT_OQ))
+#endif
+
+#ifdef SILU_LANES
+/* exp(d), SLEEF's single-precision 1.0-ulp algorithm: q = round(d / ln 2); s = d - q ln 2 with ln 2 in
+ * two parts (fused); a degree-5 polynomial in s; times 2^q in two halves (2^(q>>1) * 2^(q - q>>1),
+ * so no exponent overflows); 0 below -104, infinity above 100. */
+static inline silu_vec silu_exp(silu_vec d) {
+    const silu_int q = V_ROUND_TO_INT(V_MUL(d, V_SET1(1.442695040888963407359924681001892137f)));
+    const silu_vec qf = V_TO_FLOAT(q);
+    silu_vec s = V_FMA(qf, V_SET1(-0.693145751953125f), d);
+    s = V_FMA(qf, V_SET1(-1.428606765330187045e-06f), s);
+    silu_vec u = V_SET1(0.000198527617612853646278381f);
+    u = V_FMA(u, s, V_SET1(0.00139304355252534151077271f));
+    u = V_FMA(u, s, V_SET1(0.00833336077630519866943359f));
+    u = V_FMA(u, s, V_SET1(0.0416664853692054748535156f));
+    u = V_FMA(u, s, V_SET1(0.166666671633720397949219f));
+    u = V_FMA(u, s, V_SET1(0.5f));
+    u = V_ADD(V_SET1(1.0f), V_FMA(V_MUL(s, s), u, s));
+    const silu_int half = V_SHIFT_RIGHT(q, 1), bias = V_SET1_INT(0x7f);
+    u = V_MUL(u, V_AS_FLOAT(V_SHIFT_LEFT(V_ADD_INT(half, bias), 23)));
+    u = V_MUL(u, V_AS_FLOAT(V_SHIFT_LEFT(V_ADD_INT(V_SUB_INT(q, half), bias), 23)));
+    u = V_ZERO_WHERE_BELOW(u, d, -104.0f);
+    return V_INFINITY_WHERE_ABOVE(u, d, 100.0f);
+}
 #endif
 
 /* The vector width torch's kernel steps by on this build (2 vectors), 0 without vectors: the
