@@ -183,7 +183,17 @@ class _Trap:
         return getattr(self.conn, name)
 
 
-def test_a_ctrl_c_between_two_ranks_writes_leaves_the_group_usable_and_exact(tiny):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raising ``KeyboardInterrupt`` for the test, whatever the runner inherited: a job started
+    in the background without job control (``nohup cmd &`` in a script) starts with SIGINT ignored,
+    and then Python, and ``sigint_deferred`` after it, rightly ignore it too."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_between_two_ranks_writes_leaves_the_group_usable_and_exact(tiny, ctrl_c_raises):
     """Without :func:`~servelab.executor.interface.sigint_deferred` the interrupt split the
     message: rank 0 ran the step and waited in an all-reduce rank 1 never joined, the
     rollback waited for the collective timeout, and the group died."""
