@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from servelab.attention import cpu_decode
 from servelab.models import cpu_silu
 
 #: the glue's intermediate size per model
@@ -56,7 +57,7 @@ def run(model: str, rows_list: list[int], threads_list: list[int], rounds: int, 
         gate = gate_up[:, :inter]
         for threads in threads_list:
             torch.set_num_threads(threads)
-            call, at = cpu_silu._kernel.lib.servelab_silu_rows, gate.data_ptr()
+            call, at = cpu_decode.library().servelab_silu_rows, gate.data_ptr()
             kernels = {"torch": lambda: torch._C._nn.silu_(gate), "c": lambda: cpu_silu.silu_(gate),
                        "c_call": lambda: call(at, rows, inter, 2 * inter, threads)}
             times: dict[str, list[float]] = {name: [] for name in kernels}

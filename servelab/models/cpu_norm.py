@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from servelab.attention import cpu_decode  # noqa: F401 (the library's module: tests patch its library())
 from servelab.models.probed_kernel import ProbedKernel
 
 #: the smallest hidden size the kernel takes (one vector of torch's sum kernel).

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from servelab.attention import cpu_decode  # noqa: F401 (the library's module: tests patch its library())
 from servelab.models.probed_kernel import ProbedKernel
 
 #: torch's parallel grain for elementwise ops (``at::internal::GRAIN_SIZE``): below it torch never

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_kernel_build
+from servelab.attention import cpu_decode, cpu_kernel_build
 from servelab.models import cpu_norm
 from servelab.models.layers import RMSNorm
 
@@ -83,7 +83,7 @@ class OneUlpOff:
 
 def test_a_kernel_that_sums_in_another_order_is_never_used(unchecked, monkeypatch):
     """The once-per-process probe compares with torch.rms_norm; one differing bit keeps torch."""
-    monkeypatch.setattr(cpu_norm.cpu_decode, "library", lambda: OneUlpOff)
+    monkeypatch.setattr(cpu_decode, "library", lambda: OneUlpOff)
     reason = cpu_norm.unavailable_reason()
     assert reason is not None and "differs from torch.rms_norm on [1, 8]" in reason, reason
     x = torch.randn(2, 64)
