@@ -150,17 +150,26 @@ class AttentionClock:
     layer's ``reshape_and_cache`` and ``paged_attention``, or its ``carried_attend`` /
     ``quantized_attend`` (the two in direct calls, on decode steps) — plans, gathers and the kernel
     included —, timed by wrapping those methods of the model's per-step attention view
-    (:class:`servelab.models.step_attention.StepAttention`) and the one C call of int8 pages'
-    prepared layers (:mod:`servelab.models.quantized_decode_layers`) while the clock is on; a call
-    made inside another (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on
-    the timed steps themselves: two ``perf_counter`` calls per op, ~10 us of a 50-80 ms step."""
+    (:class:`servelab.models.step_attention.StepAttention`), plus the int8 write-and-attention calls
+    that int8 pages' prepared layers make from C (:mod:`servelab.models.quantized_decode_layers`,
+    timed in C by its ``timed_attention``) while the clock is on; a call made inside another
+    (``carried_attend`` falling back to ``paged_attention``) counts once. It runs on the timed steps
+    themselves: two clock reads per op, ~10 us of a 50-80 ms step. Set :attr:`spent` to 0 to restart."""
 
     def __init__(self) -> None:
-        self.spent = 0.0
+        self.python_spent = 0.0
         self.depth = 0
 
+    @property
+    def spent(self) -> float:
+        return self.python_spent + self.c_spent[0]
+
+    @spent.setter
+    def spent(self, value: float) -> None:
+        self.python_spent, self.c_spent[0] = value, 0.0
+
     def __enter__(self) -> "AttentionClock":
-        from servelab.models import decode_glue, llama
+        from servelab.models import llama, quantized_decode_layers
 
         self.owner, self.originals = llama.StepAttention, {}
         for name in ("reshape_and_cache", "paged_attention", "carried_attend", "quantized_attend"):
@@ -174,31 +183,15 @@ class AttentionClock:
                 finally:
                     self.depth -= 1
                     if not self.depth:
-                        self.spent += time.perf_counter() - start
+                        self.python_spent += time.perf_counter() - start
 
             setattr(self.owner, name, timed)
-        # Over int8 pages the later layers' write and attention are one C call each, made from
-        # prepared arguments (servelab.models.quantized_decode_layers): timed on the library itself.
-        self.library = decode_glue._library()
-        if self.library is not None and hasattr(self.library, "servelab_write_decode_int8"):
-            call = self.library.servelab_write_decode_int8
-
-            def timed_call(*args, _call=call):
-                start = time.perf_counter()
-                try:
-                    return _call(*args)
-                finally:
-                    if not self.depth:
-                        self.spent += time.perf_counter() - start
-
-            self.library.servelab_write_decode_int8 = timed_call
-            self.originals["library call"] = call
+        self.c_timing = quantized_decode_layers.timed_attention()
+        self.c_spent = self.c_timing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        call = self.originals.pop("library call", None)
-        if call is not None:  # the bound function itself (a fresh lookup would lack its argtypes)
-            self.library.servelab_write_decode_int8 = call
+        self.c_timing.__exit__(*exc)
         for name, original in self.originals.items():
             setattr(self.owner, name, original)
 

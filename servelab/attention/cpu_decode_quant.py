@@ -21,7 +21,7 @@ dequantize-then-attend reference (:func:`servelab.reference.paged_attention` wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +55,20 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     step's arguments and :func:`usable`)."""
     return DecodeStep(block_table, seq_lens, sliding_window).attend(query, key_cache, value_cache, k_scale, v_scale,
                                                                     scale)
+
+
+class Int8Step(NamedTuple):
+    """:meth:`DecodeStep.int8_step`: the arguments of ``servelab_write_decode_int8`` that come from the
+    step (addresses as integers)."""
+
+    static_scales: int  # 1: one static scale per layer for K and for V; 0: per token and head in the pages
+    cache_strides: int  # int64 [6]: the K and V pages' byte strides (block, offset, head)
+    scale_strides: int  # int64 [6]: the scales' strides, in floats
+    block_table: int  # int32 [rows, table_stride]
+    table_stride: int
+    seq_lens: int  # int32 [rows]
+    width: int  # the longest context
+    scores: int  # the kernel's float32 workspace, one slot per thread
 
 
 class DecodeStep:
@@ -124,19 +138,21 @@ class DecodeStep:
         ops.write_prepared(key, value, key_cache, value_cache, slots, None, k_scale=k_scale, v_scale=v_scale)
         return self.attend(query, key_cache, value_cache, k_scale, v_scale, scale)
 
-    def int8_call(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+    def int8_step(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, slots: torch.Tensor,
-                  scale: float, out: torch.Tensor) -> tuple | None:
-        """The arguments of the one C call :meth:`write_and_attend` makes on int8 pages for these
-        tensors, its output written into ``out`` float32 ``[S, Hq, D]`` (contiguous), or ``None``
-        when it would not make that call. For a caller that makes the call later, with these
-        tensors alive and unchanged (:mod:`servelab.models.quantized_decode_layers`)."""
+                  num_threads: int) -> Int8Step | None:
+        """This step's side of the one C call :meth:`write_and_attend` makes on int8 pages for tensors
+        laid out as these (any layer whose tensors share their dtypes, shapes and strides), for a
+        caller that makes the calls itself with ``num_threads`` threads
+        (:mod:`servelab.models.quantized_decode_layers`); ``None`` when it would not make that call.
+        The addresses stay valid while this step lives."""
         layout = self._layout_of(key, value, query, key_cache, value_cache, k_scale, v_scale, slots)
-        if layout is None or not layout[0] or not (out.is_contiguous() and out.shape == query.shape
-                                                   and out.dtype == torch.float32):
+        if layout is None or not layout[0]:
             return None
-        return self._int8_args(layout, key, value, query, key_cache, value_cache, k_scale, v_scale, slots, scale,
-                               out)
+        _, static, cache_strides, scale_strides, kv_heads, group, _, _, _ = layout
+        scores = self._workspace(max(1, num_threads) * kv_heads * group * self.width)
+        return Int8Step(static, cache_strides, scale_strides, self.table.data_ptr(), self.table.stride(0),
+                        self.lens.data_ptr(), self.width, scores.data_ptr())
 
     def _int8_args(self, layout: tuple, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
                    key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
@@ -189,7 +205,7 @@ class DecodeStep:
 
     def _workspace(self, numel: int) -> torch.Tensor:
         """The scores workspace, grown when a call needs more; a grown one's predecessor is kept
-        while this step lives (an :meth:`int8_call` made earlier holds its address)."""
+        while this step lives (an :meth:`int8_step` asked earlier gave its address)."""
         scores = self._scores
         if scores is None or scores.numel() < numel:
             if scores is not None:

@@ -8,7 +8,9 @@ argmax (``csrc/argmax.c``, :mod:`servelab.samplers.cpu_argmax`), SiLU with torch
 (``csrc/silu.c``, :mod:`servelab.models.cpu_silu`), and decode attention straight
 over quantized KV pages (``csrc/decode_attention_quant.c``, reading the pages through
 ``csrc/quant_pages.h``; :mod:`servelab.attention.cpu_decode_quant`) with its quantizing int8 cache
-write (``csrc/kv_write_int8.c``, :mod:`servelab.attention.ops`).
+write (``csrc/kv_write_int8.c``, :mod:`servelab.attention.ops`), and a pure decode step's later
+layers over int8 pages from prepared structs (``csrc/decode_layers.c``,
+:mod:`servelab.models.quantized_decode_layers`).
 
 Who calls what, when: :func:`load` is called by :mod:`servelab.attention.cpu_decode`
 (``available()``), which the ``"sdpa"`` backend calls when a pipeline is
@@ -60,11 +62,11 @@ from servelab._internal.paths import kernel_cache_dir
 SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                   for name in ("decode_attention.c", "rms_norm.c", "rope.c", "panel_gemm.c",
                                                "decode_glue.c", "argmax.c", "decode_attention_quant.c",
-                                               "kv_write_int8.c", "silu.c"))
+                                               "kv_write_int8.c", "silu.c", "decode_layers.c"))
 #: Headers the sources include: not compiled on their own, but hashed with them.
 HEADERS: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                  for name in ("quant_pages.h", "decode_quant_avx2.h"))
-ABI_VERSION = 15
+ABI_VERSION = 16
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),
     ("-O3", "-march=native"),
@@ -325,6 +327,10 @@ def _bind(path: Path, key: str, flags: tuple[str, ...]) -> BuiltKernel:
     lib.servelab_silu_step.argtypes = []
     lib.servelab_silu_step.restype = i
     lib.servelab_argmax_rows.argtypes = [p, i, i, i, p, i]
+    lib.servelab_decode_layers_sizes.argtypes, lib.servelab_decode_layers_sizes.restype = [i], i
+    lib.servelab_decode_layer_attend.argtypes, lib.servelab_decode_layer_attend.restype = [p, p, p], ctypes.c_int
+    lib.servelab_decode_layer_down.argtypes, lib.servelab_decode_layer_down.restype = [p, p, p], None
+    lib.servelab_decode_layers.argtypes, lib.servelab_decode_layers.restype = [p, p, i], ctypes.c_int
     for name in ("servelab_glue_qkv", "servelab_glue_out", "servelab_glue_down", "servelab_argmax_rows"):
         getattr(lib, name).restype = None
     lib.servelab_paged_decode_quant.argtypes = [p, i, p, p, p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, p, i,

@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         if glued and tables is not None and len(glued) == len(caches):  # a CPU decode step: each layer's glue
             x = decode_glue.forward(glued[0], x, *tables, caches[0], attention)
             # Over int8 pages, the later layers' calls prepared at once (quantized_decode_layers).
-            direct = quantized_decode_layers.prepare(glued[1:], x, tables, caches[1:], attention)
+            direct = quantized_decode_layers.prepare(self.model.layers, glued[1:], x, tables, caches[1:], attention)
             if direct is not None:
                 x = direct.run()
             else:

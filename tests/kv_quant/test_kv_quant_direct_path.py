@@ -129,6 +129,129 @@ def test_the_direct_calls_equal_the_public_ones(model, monkeypatch, glued, dtype
         assert torch.equal(runs[run].caches.buffer, runs[2].caches.buffer), run  # pages and scales
 
 
+def _count_builds(monkeypatch) -> list[int]:
+    """How many times the prepared layers' structs were made."""
+    from servelab.models import quantized_decode_layers
+
+    builds, real = [], quantized_decode_layers.DirectLayers.__init__
+
+    def counted(self, *args):
+        builds.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(quantized_decode_layers.DirectLayers, "__init__", counted)
+    return builds
+
+
+@pytest.mark.parametrize("silu", ["c", "torch"])
+def test_the_prepared_layers_are_made_once_and_remade_when_what_they_read_changes(model, monkeypatch, glued, silu):
+    """Over int8 pages the layer structs are made at the first decode step and reused; a norm's eps, a
+    softmax scale or a weight changed between steps is seen (the structs are made again), and every
+    step's logits and pages equal the public calls' under the same changes. ``silu="torch"``: C's
+    SiLU refused, so each layer is two C calls with torch's SiLU between them."""
+    from servelab.models import cpu_silu, quantized_decode_layers
+
+    if silu == "torch":
+        monkeypatch.setattr(cpu_silu, "usable", lambda rows, n: False)
+    layers = model.model.layers
+    saved = (layers[1].input_layernorm.eps, layers[2].self_attn.scale, layers[2].mlp.down_proj.weight.data)
+
+    def changes(step: int) -> None:  # before decode step `step` (1-based)
+        if step == 2:
+            layers[1].input_layernorm.eps = 1e-3
+        elif step == 3:
+            layers[2].self_attn.scale = 0.3
+        elif step == 4:
+            layers[2].mlp.down_proj.weight.data = saved[2] * 0.5
+
+    def run(runner: Runner) -> list[torch.Tensor]:
+        layers[1].input_layernorm.eps, layers[2].self_attn.scale, layers[2].mlp.down_proj.weight.data = saved
+        real_step, count = runner.step, [0]
+
+        def stepping(work):
+            changes(count[0])
+            count[0] += 1
+            return real_step(work)
+
+        runner.step = stepping
+        try:
+            return runner.run(5)
+        finally:
+            layers[1].input_layernorm.eps, layers[2].self_attn.scale, layers[2].mlp.down_proj.weight.data = saved
+
+    builds, prepared = _count_builds(monkeypatch), _record_prepared(monkeypatch)
+    fast = Runner(model, "int8", "token_head")
+    got = run(fast)
+    assert prepared == [False] + [True] * 5
+    assert len(builds) == 4  # the first decode step, then each change's step
+    monkeypatch.setattr(quantized_decode_layers, "prepare", lambda *a: None)
+    monkeypatch.setattr(StepAttention, "quantized_attend", lambda self, *a, **k: None)
+    public = Runner(model, "int8", "token_head")
+    want = run(public)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(fast.caches.buffer, public.caches.buffer)
+
+
+def test_other_caches_or_rows_make_new_structs(model, monkeypatch, glued):
+    """The kept structs name the caches they were made for: another runner's caches (the same
+    shapes) or another batch size makes them again."""
+    builds = _count_builds(monkeypatch)
+    first = Runner(model, "int8", "token_head")
+    first.run(2)
+    assert len(builds) == 1
+    second = Runner(model, "int8", "token_head")
+    second.run(2)
+    assert len(builds) == 2
+    second.step({0: [4], 1: [6]})  # two rows instead of three
+    assert len(builds) == 3
+
+
+@pytest.mark.parametrize("silu", ["c", "torch"])
+def test_each_step_gets_new_output_rows(model, monkeypatch, glued, silu):
+    """The last layer writes a new tensor each step: rows a step handed out (to a hook on the final
+    norm, say) are not overwritten by the next step, though the buffers between layers are reused."""
+    from servelab.models import cpu_silu, quantized_decode_layers
+
+    if silu == "torch":
+        monkeypatch.setattr(cpu_silu, "usable", lambda rows, n: False)
+    outputs, real = [], quantized_decode_layers.DirectLayers.run
+
+    def kept(self):
+        out = real(self)
+        outputs.append((out, out.clone()))
+        return out
+
+    monkeypatch.setattr(quantized_decode_layers.DirectLayers, "run", kept)
+    Runner(model, "int8", "token_head").run(3)
+    assert len(outputs) == 3 and len({out.data_ptr() for out, _ in outputs}) == 3
+    for out, copy in outputs:
+        assert torch.equal(out, copy)
+
+
+def test_timed_attention_gathers_the_c_calls_time_only_inside_its_block(model, glued):
+    from servelab.models import quantized_decode_layers
+
+    runner = Runner(model, "int8", "token_head")
+    runner.run(1)
+    with quantized_decode_layers.timed_attention() as spent:
+        runner.step({0: [4], 1: [6], 2: [1]})
+        inside = spent[0]
+    runner.step({0: [4], 1: [6], 2: [1]})
+    assert inside > 0 and spent[0] == inside and quantized_decode_layers._timer is None
+
+
+def test_the_structs_mirror_the_c_ones_and_the_one_call_needs_c_silu():
+    """The ctypes mirror has C's sizes; ``servelab_decode_layers`` refuses (doing nothing) a step
+    whose SiLU is torch's."""
+    from servelab.models import quantized_decode_layers as qdl
+
+    lib = cpu_decode_quant._library()
+    assert qdl._checked(lib) is lib
+    step = qdl.StepArgs(silu_in_c=0)
+    assert lib.servelab_decode_layers(qdl.ctypes.addressof(step), None, 3) == -4
+
+
 def test_a_mixed_step_and_an_overriding_view_decline(model, monkeypatch):
     """A step with a prompt row is not a pure decode step; a subclass overriding ``paged_attention``
     (as Gemma 2's softcap view does) keeps its own calls."""

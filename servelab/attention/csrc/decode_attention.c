@@ -182,7 +182,7 @@ static const pv_fn PV_WIDE[8] = {pv_head_1_4, pv_head_2_4, pv_head_3_4, pv_head_
 static const pv_fn PV_NARROW[8] = {pv_head_1_1, pv_head_2_1, pv_head_3_1, pv_head_4_1,
                                    pv_head_5_1, pv_head_6_1, pv_head_7_1, pv_head_8_1};
 
-int servelab_abi_version(void) { return 15; }
+int servelab_abi_version(void) { return 16; }
 
 /* The cache key this library was built under (compiler, flags, resolved target
  * features, source): the loader refuses a file whose key is not its own. */
