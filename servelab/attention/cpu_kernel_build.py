@@ -65,7 +65,7 @@ SOURCES: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
                                                "kv_write_int8.c", "silu.c", "decode_layers.c"))
 #: Headers the sources include: not compiled on their own, but hashed with them.
 HEADERS: tuple[Path, ...] = tuple(Path(__file__).with_name("csrc") / name
-                                 for name in ("quant_pages.h", "decode_quant_avx2.h"))
+                                 for name in ("quant_pages.h", "decode_quant_avx2.h", "calls.h"))
 ABI_VERSION = 16
 FLAG_SETS: tuple[tuple[str, ...], ...] = (
     ("-O3", "-march=native", "-fopenmp"),

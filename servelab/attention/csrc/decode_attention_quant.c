@@ -41,6 +41,7 @@
  */
 #include "quant_pages.h"
 #include "decode_quant_avx2.h"
+#include "calls.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

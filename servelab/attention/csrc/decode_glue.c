@@ -40,15 +40,7 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include <stdint.h>
-
-void servelab_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps,
-                       int64_t num_threads);
-void servelab_panel_gemm(const float* x, int64_t x_row_stride, const float* panels, const float* bias, float* y,
-                         int64_t rows, int64_t k_size, int64_t n_size, int64_t num_threads);
-void servelab_silu_row(float* x, int64_t n);
-void servelab_rope(const float* x, int64_t x_token_stride, float* out, const float* cos, const float* signed_sin,
-                   int64_t tokens, int64_t heads, int64_t head_size, int64_t num_threads);
+#include "calls.h"
 
 void servelab_glue_qkv(const float* x, const float* norm_weight, float eps, float* normed,
                        const float* qkv_panels, const float* qkv_bias, float* qkv, float* qk,

@@ -66,6 +66,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "calls.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

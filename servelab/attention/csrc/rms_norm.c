@@ -40,6 +40,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "calls.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -24,6 +24,7 @@
 #endif
 
 #include <stdint.h>
+#include "calls.h"
 
 #define MIN_PARALLEL_ELEMENTS 32768
 

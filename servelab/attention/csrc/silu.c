@@ -27,6 +27,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "calls.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
