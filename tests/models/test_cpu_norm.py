@@ -1,25 +1,18 @@
 """The C RMSNorm (``servelab.models.cpu_norm``) against ``torch.rms_norm``, its reference, bit for bit."""
 
-import ctypes
-import shutil
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_decode, cpu_kernel_build
+from servelab.attention import cpu_decode
 from servelab.models import cpu_norm
 from servelab.models.layers import RMSNorm
 
+from probed_kernel_harness import floats, kernel_fixture, unchecked_fixture
 
-@pytest.fixture(scope="module")
-def kernel():
-    """The checked kernel: skips only without a compiler; a compiler that gives no usable kernel fails."""
-    if shutil.which(cpu_kernel_build.compiler()) is None:
-        pytest.skip("no C compiler: RMSNorm runs torch.rms_norm (tests/models/test_layers.py)")
-    if not cpu_norm.available():
-        pytest.fail(f"a C compiler exists but the C RMSNorm is unavailable: {cpu_norm.unavailable_reason()}")
+kernel = kernel_fixture(cpu_norm, "RMSNorm", "RMSNorm runs torch.rms_norm (tests/models/test_layers.py)")
+unchecked = unchecked_fixture(cpu_norm)
 
 
 @settings(max_examples=150, deadline=None)
@@ -59,25 +52,13 @@ def test_the_module_takes_the_c_path_only_where_it_may(kernel, monkeypatch):
     assert len(calls) == 1 and x.grad is not None and norm.weight.grad is not None
 
 
-@pytest.fixture
-def unchecked():
-    """The once-per-process check forgotten before the test and after it (the test patches the library)."""
-    cpu_norm.reset()
-    yield
-    cpu_norm.reset()
-
-
-def _floats(address: int, count: int) -> torch.Tensor:
-    return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
-
-
 class OneUlpOff:
     """A stand-in library whose norm is torch's but for the last element, one ulp up."""
 
     @staticmethod
     def servelab_rms_norm(x, weight, out, rows, n, eps, threads):
-        result = _floats(out, rows * n).view(rows, n)
-        result.copy_(torch.rms_norm(_floats(x, rows * n).view(rows, n), (n,), _floats(weight, n), eps))
+        result = floats(out, rows * n).view(rows, n)
+        result.copy_(torch.rms_norm(floats(x, rows * n).view(rows, n), (n,), floats(weight, n), eps))
         result[-1, -1] = torch.nextafter(result[-1, -1], torch.tensor(float("inf")))
 
 

@@ -1,25 +1,19 @@
 """The C SiLU (``servelab.models.cpu_silu``) against torch's ``F.silu``, its reference, bit for bit."""
 
-import ctypes
 import os
-import shutil
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.attention import cpu_decode, cpu_kernel_build
+from servelab.attention import cpu_decode
 from servelab.models import cpu_silu
 
+from probed_kernel_harness import floats, kernel_fixture, unchecked_fixture
 
-@pytest.fixture(scope="module")
-def kernel():
-    """The checked kernel: skips only without a compiler; a compiler that gives no usable kernel fails."""
-    if shutil.which(cpu_kernel_build.compiler()) is None:
-        pytest.skip("no C compiler: the glue calls torch's SiLU")
-    if not cpu_silu.available():
-        pytest.fail(f"a C compiler exists but the C SiLU is unavailable: {cpu_silu.unavailable_reason()}")
+kernel = kernel_fixture(cpu_silu, "SiLU", "the glue calls torch's SiLU")
+unchecked = unchecked_fixture(cpu_silu)
 
 
 def torch_silu_by_rows(x: torch.Tensor) -> torch.Tensor:
@@ -74,18 +68,6 @@ def test_evenly_spaced_bit_patterns_and_the_edges(kernel):
     assert same_bits(cpu_silu.silu_(edges), expected)
 
 
-@pytest.fixture
-def unchecked():
-    """The once-per-process check forgotten before the test and after it (the test patches the library)."""
-    cpu_silu.reset()
-    yield
-    cpu_silu.reset()
-
-
-def _floats(address: int, count: int) -> torch.Tensor:
-    return torch.frombuffer((ctypes.c_float * count).from_address(address), dtype=torch.float32)
-
-
 class OneUlpOff:
     """A stand-in library whose SiLU is torch's but one ulp up wherever x > 80 (a few probe values)."""
 
@@ -95,7 +77,7 @@ class OneUlpOff:
 
     @staticmethod
     def servelab_silu_rows(x, rows, n, stride, threads):
-        view = _floats(x, (rows - 1) * stride + n).as_strided((rows, n), (stride, 1))
+        view = floats(x, (rows - 1) * stride + n).as_strided((rows, n), (stride, 1))
         wrong = torch_silu_by_rows(view)
         wrong = torch.where(wrong > 80, torch.nextafter(wrong, torch.tensor(float("inf"))), wrong)
         view.copy_(wrong)
