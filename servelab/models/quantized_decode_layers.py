@@ -95,8 +95,8 @@ class DirectLayers:
 
     def __init__(self, glued: list[Any], caches: list[Any], fixed: tuple, key: tuple, rows: int) -> None:
         first = glued[0].attention
-        heads, kv_heads, head_dim, intermediate = first.num_heads, first.num_kv_heads, first.head_dim, glued[0].intermediate
-        hidden = glued[0].hidden
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        intermediate, hidden = glued[0].intermediate, glued[0].hidden
         self.glued, self.caches, self.fixed, self.key = glued, caches, fixed, key
         self.silu_in_c = key[2]
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -114,18 +114,21 @@ class DirectLayers:
                              intermediate=intermediate, block_size=caches[0][0].shape[1],
                              window=int(first.sliding_window or 0), silu_in_c=int(self.silu_in_c))
         self.layers = (LayerArgs * len(glued))(*map(_layer_args, glued, caches))
-        self.step_at, self.layers_at, self.count = ctypes.addressof(self.step), ctypes.addressof(self.layers), len(glued)
+        self.step_at, self.layers_at = ctypes.addressof(self.step), ctypes.addressof(self.layers)
+        self.count = len(glued)
         self.layer_at = [self.layers_at + i * ctypes.sizeof(LayerArgs) for i in range(len(glued))]
         self.step_held: tuple | None = None  # the step's tensors whose addresses the step struct holds
 
-    def refresh(self, step: Any, slots: torch.Tensor, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    def refresh(self, step: Any, slots: torch.Tensor, x: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> bool:
         """Point the step struct at this step's inputs: ``x`` float32 ``[rows, hidden]`` (the first
         layer's output), ``slots`` int64 ``[rows]``, the RoPE ``tables``, ``step`` (the
         ``DecodeStep``); ``False`` when the step's int8 call would not take these layers' tensors."""
         threads = torch.get_num_threads()
         kv = self.caches[0]
         info = step.int8_step(self.k, self.v, self.q, *kv, slots, threads)
-        if info is None or not (x.dtype is torch.float32 and x.is_contiguous() and x.shape == (self.rows, self.hidden)):
+        if info is None or not (x.dtype is torch.float32 and x.is_contiguous()
+                                and x.shape == (self.rows, self.hidden)):
             return False
         out = decode_glue._new(self.rows, self.hidden)
         s = self.step
