@@ -41,7 +41,9 @@ Where the rest of the step goes, per row:
   (warm: that K/V in L2/L3), on :data:`KERNEL_STEPS` extra decode steps after each round
   (:func:`kernel_cold_and_warm`). Warm is the kernel's arithmetic at this
   thread count: where it is near the read floor, attention is compute-bound
-  too, and prefetching alone cannot bring cold below it;
+  too, and prefetching alone cannot bring cold below it. Float32 pages only
+  (``nan`` over quantized pages, whose kernel runs inside the prepared layers'
+  one C call: ``attention_in_step`` is its time there, write included);
 - ``rest_of_step``: step - GEMM - attention: norms, RoPE, SiLU, residual
   adds, the embedding, argmax, scheduling, input preparation and bookkeeping.
 
