@@ -229,6 +229,28 @@ def test_each_step_gets_new_output_rows(model, monkeypatch, glued, silu):
         assert torch.equal(out, copy)
 
 
+def test_the_kept_structs_go_with_the_model(tmp_path, glued):
+    """The structs are kept per owner (the model's layer list) weakly: a model dropped after its decode
+    steps is freed, structs, weights and caches with it."""
+    import gc
+    import weakref
+
+    from servelab.models import quantized_decode_layers
+
+    path = build_tiny_model(tmp_path, arch="llama", seed=6, hidden_size=96, intermediate_size=128,
+                            num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    model, _ = load_model(path)
+    model.attention = "sdpa"
+    runner = Runner(model, "int8", "token_head")
+    runner.run(2)
+    kept = quantized_decode_layers._per_thread.prepared
+    assert model.model.layers in kept
+    gone = weakref.ref(model.model.layers)
+    del model, runner
+    gc.collect()
+    assert gone() is None
+
+
 def test_timed_attention_gathers_the_c_calls_time_only_inside_its_block(model, glued):
     from servelab.models import quantized_decode_layers
 
