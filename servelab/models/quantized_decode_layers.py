@@ -33,7 +33,8 @@ unchanged), every layer's sizes, window, softmax scale and norms' eps read the s
 tensors are the same objects at the same addresses, and the rows' count and width, the SiLU choice
 and inference mode are the same. Not seen: a cache tensor whose strides are changed in place
 (``as_strided_``) at the same address. They are kept per thread (each thread its own buffers) and
-per owner (the model's layer list), and dropped with it.
+per owner (the model's layer list), and dropped with it; they hold the cache tensors weakly, so a
+pool whose pipeline is gone is freed at once, not at the model's next step.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ class DirectLayers:
         first = glued[0].attention
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         intermediate, hidden = glued[0].intermediate, glued[0].hidden
-        self.glued, self.caches, self.fixed, self.key = glued, caches, fixed, key
+        self.glued, self.fixed, self.key = glued, fixed, key
+        # the cache tensors, weakly: a dropped pool (the pipeline gone, the model kept) is freed, and
+        # these structs are then not reused (prepare compares the step's own tensors with these)
+        self.cache_refs = tuple(tuple(map(weakref.ref, kv_cache)) for kv_cache in caches)
         self.silu_in_c = key[2]
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
         normed, h, gate_up = decode_glue._scratch(rows, hidden, 2 * intermediate)
@@ -119,14 +123,14 @@ class DirectLayers:
         self.layer_at = [self.layers_at + i * ctypes.sizeof(LayerArgs) for i in range(len(glued))]
         self.step_held: tuple | None = None  # the step's tensors whose addresses the step struct holds
 
-    def refresh(self, step: Any, slots: torch.Tensor, x: torch.Tensor,
-                tables: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    def refresh(self, step: Any, slots: torch.Tensor, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+                first_cache: Any) -> bool:
         """Point the step struct at this step's inputs: ``x`` float32 ``[rows, hidden]`` (the first
         layer's output), ``slots`` int64 ``[rows]``, the RoPE ``tables``, ``step`` (the
-        ``DecodeStep``); ``False`` when the step's int8 call would not take these layers' tensors."""
+        ``DecodeStep``); ``False`` when the step's int8 call would not take these layers' tensors
+        (asked of ``first_cache``, the first layer's cache tensors: every layer's are laid out alike)."""
         threads = torch.get_num_threads()
-        kv = self.caches[0]
-        info = step.int8_step(self.k, self.v, self.q, *kv, slots, threads)
+        info = step.int8_step(self.k, self.v, self.q, *first_cache, slots, threads)
         if info is None or not (x.dtype is torch.float32 and x.is_contiguous()
                                 and x.shape == (self.rows, self.hidden)):
             return False
@@ -248,11 +252,12 @@ def prepare(owner: Any, glued: list[Any], x: torch.Tensor, tables: tuple[torch.T
         kept.pop(owner, None)
         if x.shape[1] != glued[0].hidden or not _buildable(glued, caches, fixed):
             return None
-        direct = kept[owner] = DirectLayers(list(glued), list(caches), fixed, key, rows)
-    return direct if direct.refresh(step, slots[0], x, tables) else None
+        direct = kept[owner] = DirectLayers(list(glued), caches, fixed, key, rows)
+    return direct if direct.refresh(step, slots[0], x, tables, caches[0]) else None
 
 
 def _reusable(direct: DirectLayers, glued: list[Any], caches: list[Any], fixed: tuple, key: tuple) -> bool:
     return (direct.key == key and direct.fixed == fixed and len(direct.glued) == len(glued)
             and all(a is b for a, b in zip(direct.glued, glued))
-            and all(a is b for kept, kv_cache in zip(direct.caches, caches) for a, b in zip(kept, kv_cache)))
+            and all(ref() is tensor for refs, kv_cache in zip(direct.cache_refs, caches)
+                    for ref, tensor in zip(refs, kv_cache)))

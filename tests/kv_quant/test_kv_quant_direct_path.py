@@ -251,6 +251,22 @@ def test_the_kept_structs_go_with_the_model(tmp_path, glued):
     assert gone() is None
 
 
+def test_a_dropped_pool_is_freed_while_the_model_lives(model, glued):
+    """The kept structs hold the cache tensors weakly: a runner (its pool) dropped after decode steps
+    is freed at once; the next runner's steps make new structs."""
+    import gc
+    import weakref
+
+    runner = Runner(model, "int8", "token_head")
+    runner.run(2)
+    pool = weakref.ref(list(runner.caches.views)[1][0])  # a later layer's K pages, as the structs saw them
+    del runner
+    gc.collect()
+    assert pool() is None
+    again = Runner(model, "int8", "token_head")
+    assert len(again.run(2)) == 3
+
+
 def test_timed_attention_gathers_the_c_calls_time_only_inside_its_block(model, glued):
     from servelab.models import quantized_decode_layers
 
