@@ -147,8 +147,11 @@ class DecodeStep:
         (:mod:`servelab.models.quantized_decode_layers`); ``None`` when it would not make that call.
         The addresses stay valid while this step lives."""
         layout = self._layout_of(key, value, query, key_cache, value_cache, k_scale, v_scale, slots)
-        if layout is None or not layout[0]:
-            return None
+        return None if layout is None or not layout[0] else self._step_side(layout, num_threads)
+
+    def _step_side(self, layout: tuple, num_threads: int) -> Int8Step:
+        """:meth:`int8_step` for a layout :meth:`_layout` accepted for int8 (the workspace sized for
+        ``num_threads``: one slot per thread)."""
         _, static, cache_strides, scale_strides, kv_heads, group, _, _, _ = layout
         scores = self._workspace(max(1, num_threads) * kv_heads * group * self.width)
         return Int8Step(static, cache_strides, scale_strides, self.table.data_ptr(), self.table.stride(0),
@@ -158,14 +161,14 @@ class DecodeStep:
                    key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                    slots: torch.Tensor, scale: float, out: torch.Tensor) -> tuple:
         """``servelab_write_decode_int8``'s arguments for a layout :meth:`_layout` accepted for int8."""
-        _, static, cache_strides, scale_strides, kv_heads, group, head_size, block_size, _ = layout
-        threads = torch.get_num_threads()  # the workspace holds one slot per thread
-        scores = self._workspace(max(1, threads) * kv_heads * group * self.width)
-        return (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), static,
-                query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), cache_strides,
-                k_scale.data_ptr(), v_scale.data_ptr(), scale_strides, self.table.data_ptr(), self.table.stride(0),
-                self.lens.data_ptr(), self.rows, kv_heads, group, head_size, block_size, self.window, float(scale),
-                scores.data_ptr(), self.width, out.data_ptr(), threads)
+        kv_heads, group, head_size, block_size = layout[4:8]
+        threads = torch.get_num_threads()
+        step = self._step_side(layout, threads)
+        return (key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), step.static_scales,
+                query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), step.cache_strides,
+                k_scale.data_ptr(), v_scale.data_ptr(), step.scale_strides, step.block_table, step.table_stride,
+                step.seq_lens, self.rows, kv_heads, group, head_size, block_size, self.window, float(scale),
+                step.scores, step.width, out.data_ptr(), threads)
 
     def _layout_of(self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,

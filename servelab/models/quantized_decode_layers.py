@@ -170,7 +170,7 @@ class DirectLayers:
         ``decode_glue.forward``)."""
         attend, down, silu, gate = lib.servelab_decode_layer_attend, lib.servelab_decode_layer_down, \
             torch._C._nn.silu_, self.gate
-        step, last = self.step, len(self.layer_at) - 1
+        step, last = self.step, self.count - 1
         rows_in = step.x
         for i, layer in enumerate(self.layer_at):
             if attend(self.step_at, layer, rows_in) != 0:
